@@ -1,0 +1,491 @@
+"""Tests for rewards.py: hand-computed values for every built-in, the gate rule, plug-in loading errors."""
+
+import ast
+import functools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+import rewards
+from rewards import (
+    BUILTIN_REWARDS,
+    Reward,
+    answer_match,
+    exact_match,
+    format_reward,
+    iou_reward,
+    label_reward,
+    load_reward,
+    numeric_match,
+    overlong_penalty,
+    parse_reward_specs,
+    score,
+    think_answer_format,
+)
+
+PASS = {"label": "通过"}
+FAIL = {"label": "不通过"}
+
+# --- format -----------------------------------------------------------------------------------------------
+
+
+def test_format_valid_two_lines_scores_one():
+    assert format_reward("通过\n理由: 图片清晰，信息完整", PASS) == 1.0
+
+
+def test_format_three_lines_scores_zero():
+    assert format_reward("通过\n理由: 图片清晰\n另外补充一句", PASS) == 0.0
+
+
+def test_format_one_line_scores_zero():
+    assert format_reward("通过", PASS) == 0.0
+
+
+def test_format_extra_tokens_after_verdict_score_zero():
+    assert format_reward("通过 ok\n理由: 图片清晰", PASS) == 0.0
+
+
+def test_format_missing_reason_prefix_scores_zero():
+    assert format_reward("通过\n图片清晰", PASS) == 0.0
+
+
+def test_format_full_width_colon_scores_one():
+    assert format_reward("不通过\n理由：缺少签名", FAIL) == 1.0
+
+
+def test_format_trailing_whitespace_scores_one():
+    assert format_reward("通过  \n理由: 图片清晰 \t\n", PASS) == 1.0
+
+
+@pytest.mark.parametrize("reason_line", ["理由:", "理由：", "理由:   "])
+def test_format_empty_reason_scores_zero(reason_line):
+    assert format_reward(f"通过\n{reason_line}", PASS) == 0.0
+
+
+@pytest.mark.parametrize("verdict", ["pass", "FAIL", "Pass", "不通过"])
+def test_format_accepts_every_verdict_word(verdict):
+    assert format_reward(f"{verdict}\n理由: ok", PASS) == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [" 通过\n理由: ok", "通过\n\n理由: ok", "通过\n 理由: ok", "maybe\n理由: ok", "\n通过\n理由: ok"],
+    ids=["leading-space", "blank-line-between", "indented-reason", "bad-verdict", "leading-newline"],
+)
+def test_format_rejects_layout_deviations(completion):
+    assert format_reward(completion, PASS) == 0.0
+
+
+def test_format_accepts_crlf_line_endings():
+    assert format_reward("通过\r\n理由: ok\r\n", PASS) == 1.0
+
+
+# --- label ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, label",
+    [
+        ("通过\n理由: ok", "通过"),
+        ("不通过\n理由: x", "不通过"),
+        ("pass", "通过"),
+        ("FAIL\n理由: x", "不通过"),
+        ("通过", "pass"),
+    ],
+)
+def test_label_correct_verdict_scores_one(completion, label):
+    assert label_reward(completion, {"label": label}) == 1.0
+
+
+@pytest.mark.parametrize("completion", ["不通过\n理由: x", "fail", "FAIL\n"])
+def test_label_wrong_verdict_scores_zero(completion):
+    assert label_reward(completion, PASS) == 0.0
+
+
+@pytest.mark.parametrize("completion", ["maybe\n理由: x", "通过 ok", "", "理由: 通过"])
+def test_label_invalid_verdict_scores_zero(completion):
+    assert label_reward(completion, PASS) == 0.0
+
+
+def test_label_ignores_leading_whitespace_and_trailing_reason():
+    assert label_reward("\n  通过  \n理由: ok", PASS) == 1.0
+
+
+def test_label_batch_of_three_scored_as_one_zero_one():
+    completions = ["通过\n理由: 清晰", "通过\n理由: 清晰", "不通过\n理由: 模糊"]
+    samples = [PASS, FAIL, FAIL]
+    assert score(completions, samples, [Reward("label", label_reward)]).total == [1.0, 0.0, 1.0]
+
+
+def test_label_not_a_verdict_in_sample_raises():
+    with pytest.raises(ValueError, match="not a verdict"):
+        label_reward("通过", {"label": "ok"})
+
+
+# --- exact / normalised answers ---------------------------------------------------------------------------
+
+
+def test_exact_match_strips_but_is_otherwise_exact():
+    assert exact_match("  Paris \n", {"answer": "Paris"}) == 1.0
+    assert exact_match("paris", {"answer": "Paris"}) == 0.0
+    assert exact_match("42", {"answer": 42}) == 1.0
+
+
+def test_exact_match_reads_the_answer_block_when_present():
+    assert exact_match("<think>maybe Rome</think><answer>Paris</answer>", {"answer": "Paris"}) == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("  The   Eiffel\nTower. ", "the eiffel tower"),
+        ("PARIS!", "Paris"),
+        ("「北京」。", "北京"),
+        ("ＡＢＣ", "abc"),
+    ],
+)
+def test_answer_match_normalises_case_whitespace_and_end_punctuation(completion, answer):
+    assert answer_match(completion, {"answer": answer}) == 1.0
+
+
+def test_answer_match_keeps_inner_punctuation_and_symbols():
+    assert answer_match("U.S.A.", {"answer": "USA"}) == 0.0
+    assert answer_match("$42", {"answer": "42"}) == 0.0  # "$" is a symbol (Sc), "%" would be punctuation (Po)
+
+
+# --- numeric ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("The answer is 3.14159", 3.14159),
+        ("first 2 then 7", 7.0),
+        ("total: 1,000 items", 1000.0),
+        ("temperature -3", -3.0),
+        ("5-3", 3.0),
+        ("答案是４２", 42.0),
+        ("1e-3", 1e-3),
+        ("<think>maybe 5</think><answer>12</answer> then 99", 12.0),
+    ],
+)
+def test_numeric_match_reads_last_number_or_answer_block(completion, expected):
+    assert numeric_match(completion, {"answer": expected}) == 1.0
+
+
+def test_numeric_match_default_tolerance_is_one_in_a_million():
+    assert numeric_match("1000000.5", {"answer": 1000000}) == 1.0  # relative 5e-7
+    assert numeric_match("1000002", {"answer": 1000000}) == 0.0  # relative 2e-6
+    assert numeric_match("0.0000005", {"answer": 0}) == 1.0  # absolute 5e-7
+    assert numeric_match("0.000002", {"answer": 0}) == 0.0
+
+
+def test_numeric_match_tolerance_overridable_with_partial():
+    loose = functools.partial(numeric_match, abs_tol=0.01)
+    assert loose("3.145", {"answer": "3.14"}) == 1.0
+    assert numeric_match("3.145", {"answer": "3.14"}) == 0.0
+
+
+def test_numeric_match_without_a_number_scores_zero():
+    assert numeric_match("no idea", {"answer": 3}) == 0.0
+
+
+# --- think / answer format --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion", ["<think>a</think><answer>b</answer>", "\n<think>\na\n</think>\n\n<answer> b </answer>\n"]
+)
+def test_think_answer_format_accepts_blocks_with_whitespace(completion):
+    assert think_answer_format(completion, {}) == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "so <think>a</think><answer>b</answer>",
+        "<think>a</think>so<answer>b</answer>",
+        "<think>a</think><answer>b</answer> done",
+        "<answer>b</answer><think>a</think>",
+        "<think>a</think>x</think><answer>b</answer>",
+        "<think>a</think><answer>b</answer><answer>c</answer>",
+        "<think>a</think><answer> </answer>",
+        "<think></think><answer>b</answer>",
+        "<think>a</think><answer>b",
+    ],
+    ids=[
+        "text-before",
+        "text-between",
+        "text-after",
+        "wrong-order",
+        "extra-close",
+        "two-answers",
+        "empty-answer",
+        "empty-think",
+        "truncated",
+    ],
+)
+def test_think_answer_format_rejects_anything_else(completion):
+    assert think_answer_format(completion, {}) == 0.0
+
+
+# --- IoU --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("[0, 0, 2, 2]", 1 / 7),  # intersection 1x1, union 4 + 4 - 1
+        ("box: [1, 1, 3, 3]", 1.0),
+        ("[0, 0, 2, 4]", 2 / 10),  # intersection 1x2, union 8 + 4 - 2
+        ("[3, 3, 5, 5]", 0.0),  # touches at a corner only
+        ('{"bbox_2d": [[1.0, 1.0, 2.0, 3.0]]}', 0.5),  # inside the gold box: 2 / 4
+        ("<think>[9, 9, 10, 10]</think><answer>[1, 1, 3, 3]</answer>", 1.0),
+    ],
+)
+def test_iou_hand_computed(completion, expected):
+    assert math.isclose(iou_reward(completion, {"bbox": [1, 1, 3, 3]}), expected)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "no box",
+        "[1, 1, 3]",
+        "[1, 1, 3, 3",
+        '["a", 1, 3, 3]',
+        "[3, 3, 1, 1]",
+        "[1, 1, 1, 3]",
+        "[NaN, 1, 3, 3]",
+        "[true, 1, 3, 3]",
+    ],
+)
+def test_iou_malformed_or_degenerate_box_scores_zero(completion):
+    assert iou_reward(completion, {"bbox": [1, 1, 3, 3]}) == 0.0
+
+
+def test_iou_degenerate_ground_truth_raises():
+    with pytest.raises(ValueError, match="bbox"):
+        iou_reward("[0, 0, 1, 1]", {"bbox": [1, 1, 1, 3]})
+
+
+# --- overlong ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [(10, 0.0), (15, 0.0), (16, -0.2), (17, -0.4), (20, -1.0), (21, -1.0), (500, -1.0)],
+)
+def test_overlong_penalty_zero_then_ramp_then_minus_one(length, expected):
+    # max_length 20, cache 5: free up to 15 tokens, then (15 - L) / 5, then -1 past 20.
+    value = overlong_penalty("ignored", {}, completion_length=length, max_length=20, cache_length=5)
+    assert math.isclose(value, expected)
+
+
+def test_overlong_penalty_receives_token_counts_through_score():
+    fn = load_reward("overlong", max_length=20, cache_length=5)
+    scores = score(["a", "b", "c"], [{}] * 3, [Reward("overlong", fn)], completion_lengths=[3, 17, 40])
+    assert scores.components["overlong"] == pytest.approx([0.0, -0.4, -1.0])
+
+
+def test_overlong_without_bound_lengths_fails_at_load_time():
+    with pytest.raises(ValueError, match="bound when loading"):
+        load_reward("overlong")
+
+
+def test_score_requires_completion_lengths_for_length_rewards():
+    fn = functools.partial(overlong_penalty, max_length=20, cache_length=5)
+    with pytest.raises(ValueError, match="completion_lengths"):
+        score(["a"], [{}], [Reward("overlong", fn)])
+
+
+def test_score_passes_completion_length_only_to_rewards_that_declare_it():
+    def by_length(completion, sample, *, completion_length):
+        return float(completion_length)
+
+    def text_only(completion, sample):  # would raise TypeError if given completion_length
+        return 1.0
+
+    rs = [Reward("len", by_length), Reward("text", text_only)]
+    scores = score(["a", "b"], [{}, {}], rs, completion_lengths=[4, 7])
+    assert scores.components == {"len": [4.0, 7.0], "text": [1.0, 1.0]}
+
+
+# --- combining --------------------------------------------------------------------------------------------
+
+
+def test_failed_gate_zeroes_total_even_with_correct_label():
+    completions = ["通过\n理由: 清晰", "通过\n清晰", "不通过\n理由: 模糊"]
+    rs = [Reward("format", format_reward, weight=0.5, gate=True), Reward("label", label_reward)]
+    scores = score(completions, [PASS, PASS, PASS], rs)
+    assert scores.total == [1.5, 0.0, 0.5]
+    assert scores.components == {"format": [1.0, 0.0, 1.0], "label": [1.0, 1.0, 0.0]}
+    assert scores.gate_failed == {"format": [False, True, False]}
+
+
+def test_total_is_weighted_sum_of_unweighted_components():
+    rs = [Reward("a", lambda c, s: 1.0, weight=2.0), Reward("b", lambda c, s: 0.5, weight=-4.0)]
+    scores = score(["x"], [{}], rs)
+    assert scores.total == [0.0]  # 2 * 1 - 4 * 0.5
+    assert scores.components == {"a": [1.0], "b": [0.5]}
+
+
+def test_score_rejects_mismatched_samples():
+    with pytest.raises(ValueError, match="2 completions but 1 samples"):
+        score(["a", "b"], [PASS], [Reward("label", label_reward)])
+
+
+def test_score_rejects_duplicate_reward_names():
+    with pytest.raises(ValueError, match="unique"):
+        score(["a"], [PASS], [Reward("label", label_reward), Reward("label", format_reward)])
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, None, "1.0", True])
+def test_non_finite_or_non_number_reward_raises_naming_reward_and_index(bad):
+    rs = [Reward("flaky", lambda c, s: bad if c == "second" else 1.0)]
+    samples = [{"id": "s-0"}, {"id": "s-1"}]
+    with pytest.raises(ValueError, match=r"'flaky'.*completion 1 \(sample id 's-1'\)"):
+        score(["first", "second"], samples, rs)
+
+
+def test_integer_reward_is_accepted_as_float():
+    assert score(["x"], [{}], [Reward("int", lambda c, s: 1)]).total == [1.0]
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+PLUGIN_SOURCE = """
+def good(completion, sample):
+    return float(completion == sample["answer"])
+
+def by_length(completion, sample, *, completion_length):
+    return -float(completion_length)
+
+def one_arg(completion):
+    return 1.0
+
+not_a_function = 3
+"""
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(PLUGIN_SOURCE)
+    (tmp_path / "broken_syntax.py").write_text("def f(:\n")
+    (tmp_path / "broken_import.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in ("my_rewards", "broken_syntax", "broken_import", "_reward_plugin_my_rewards"):
+        sys.modules.pop(name, None)
+
+
+def test_builtin_names_resolve_to_builtin_functions():
+    names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format", "iou"]
+    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
+    assert load_reward("label") is label_reward
+
+
+def test_plugin_loads_from_module_on_sys_path(plugin_dir):
+    fn = load_reward("my_rewards:good")
+    assert fn("42", {"answer": "42"}) == 1.0
+
+
+def test_plugin_loads_from_file_path(plugin_dir):
+    fn = load_reward(f"{plugin_dir / 'my_rewards.py'}:good")
+    assert fn("42", {"answer": "42"}) == 1.0
+
+
+def test_plugin_declaring_completion_length_gets_it_from_score(plugin_dir):
+    fn = load_reward("my_rewards:by_length")
+    assert score(["a"], [{}], [Reward("len", fn)], completion_lengths=[9]).total == [-9.0]
+
+
+def test_builtin_can_be_bound_at_load_time():
+    fn = load_reward("numeric_match", abs_tol=0.5)
+    assert fn("3.4", {"answer": 3}) == 1.0
+
+
+def test_unknown_builtin_lists_known_names():
+    with pytest.raises(ValueError, match="unknown reward 'lable'.*label, format, exact_match"):
+        load_reward("lable")
+
+
+def test_missing_module_error_includes_original_message(plugin_dir):
+    with pytest.raises(ValueError, match="No module named 'nonexistent_mod_xyz'.*sys.path") as info:
+        load_reward("nonexistent_mod_xyz:fn")
+    assert isinstance(info.value.__cause__, ModuleNotFoundError)
+
+
+def test_module_with_syntax_error_reports_it(plugin_dir):
+    with pytest.raises(ValueError, match="could not import reward module 'broken_syntax'") as info:
+        load_reward("broken_syntax:f")
+    assert isinstance(info.value.__cause__, SyntaxError)
+
+
+def test_module_with_failing_import_reports_the_missing_dependency(plugin_dir):
+    with pytest.raises(ValueError, match="No module named 'no_such_dependency_xyz'") as info:
+        load_reward("broken_import:f")
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_file_with_failing_import_reports_it_and_leaves_no_module_behind(plugin_dir):
+    with pytest.raises(ValueError, match="could not import reward file.*no_such_dependency_xyz"):
+        load_reward(f"{plugin_dir / 'broken_import.py'}:f")
+    assert "_reward_plugin_broken_import" not in sys.modules
+
+
+def test_missing_file_is_reported(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_reward(f"{tmp_path / 'nope.py'}:f")
+
+
+def test_missing_attribute_is_reported(plugin_dir):
+    with pytest.raises(ValueError, match="'my_rewards' has no attribute 'nope'"):
+        load_reward("my_rewards:nope")
+
+
+def test_non_callable_attribute_is_reported(plugin_dir):
+    with pytest.raises(ValueError, match="'my_rewards:not_a_function' is not callable"):
+        load_reward("my_rewards:not_a_function")
+
+
+def test_wrong_signature_is_reported(plugin_dir):
+    with pytest.raises(ValueError, match=r"'my_rewards:one_arg' has signature \(completion\)"):
+        load_reward("my_rewards:one_arg")
+
+
+@pytest.mark.parametrize("spec", ["my_rewards:", ":good"])
+def test_incomplete_plugin_spec_is_reported(spec):
+    with pytest.raises(ValueError, match="must look like module:function"):
+        load_reward(spec)
+
+
+def test_parse_reward_specs_builds_weighted_gated_rewards():
+    rs = parse_reward_specs(["format", "label"], [0.5, 1.0], ["format"])
+    assert rs == [Reward("format", format_reward, 0.5, True), Reward("label", label_reward, 1.0, False)]
+
+
+@pytest.mark.parametrize(
+    "weights, gates, message",
+    [([1.0], None, "2 rewards but 1 weights"), (None, ["iou"], r"gates \['iou'\] are not among")],
+)
+def test_parse_reward_specs_rejects_inconsistent_lists(weights, gates, message):
+    with pytest.raises(ValueError, match=message):
+        parse_reward_specs(["format", "label"], weights, gates)
+
+
+# --- portability ------------------------------------------------------------------------------------------
+
+
+def test_rewards_module_imports_only_the_standard_library():
+    tree = ast.parse(Path(rewards.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in rewards.py"
+            imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) == set()
