@@ -1,0 +1,382 @@
+"""lora.py: equivalence with the unadapted model, merge/unmerge, the disable switch, PEFT-format adapter I/O."""
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, make_random_causal_lm, make_random_vlm
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import (
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+
+import lora
+
+INPUT_IDS = torch.tensor([[7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]])
+TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def logits(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=INPUT_IDS).logits
+
+
+def randomize_b(model: nn.Module, seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def adapted_vlm(last_k: int = 2, seed: int = 0, **kwargs) -> nn.Module:
+    model = make_random_vlm(seed=seed, **kwargs)
+    lora.inject_lora(model, last_k=last_k, r=4, alpha=8.0)
+    randomize_b(model)
+    return model
+
+
+TINY_TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+TOKEN_IDS = {"image_token_id": 5, "video_token_id": 6, "vision_start_token_id": 3, "vision_end_token_id": 4}
+
+
+def make_random_qwen2_vl() -> Qwen2VLForConditionalGeneration:
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    cfg = Qwen2VLConfig(
+        text_config=dict(TINY_TEXT, rope_parameters=rope),
+        vision_config={"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2},
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    return Qwen2VLForConditionalGeneration(cfg).eval()
+
+
+def make_random_qwen3_vl() -> Qwen3VLForConditionalGeneration:
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True, "rope_theta": 1e4}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    cfg = Qwen3VLConfig(
+        text_config=dict(TINY_TEXT, head_dim=16, rope_parameters=rope),
+        vision_config=dict(vision, num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        **TOKEN_IDS,
+    )
+    torch.manual_seed(0)
+    return Qwen3VLForConditionalGeneration(cfg).eval()
+
+
+# --- equivalence with the unadapted model ---
+
+
+@pytest.mark.parametrize("make", [make_random_vlm, make_random_causal_lm])
+def test_zero_b_gives_exactly_the_base_logits(make):
+    model = make()
+    base = logits(model)
+    lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    assert torch.equal(logits(model), base)
+    randomize_b(model)
+    assert not torch.allclose(logits(model), base)  # the adapters are really in the forward path
+
+
+def test_lora_linear_computes_base_plus_scaled_low_rank_update():
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5)
+    layer = lora.LoRALinear(base, r=2, alpha=3.0)
+    nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(4, 6)
+    a, b = layer.lora_A.weight, layer.lora_B.weight  # (r, d_in), (d_out, r)
+    assert a.shape == (2, 6) and b.shape == (5, 2)
+    expected = x @ base.weight.T + base.bias + (x @ a.T @ b.T) * (3.0 / 2)
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_lora_parameters_follow_base_weight_dtype():
+    layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0)
+    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
+    assert layer(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    for p in (layer.lora_A.weight, layer.lora_B.weight):  # the documented fp32 upcast for the optimizer
+        p.data = p.data.float()
+    assert layer(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_injecting_into_an_eval_model_keeps_lora_dropout_off_until_train():
+    model = make_random_vlm()  # eval mode
+    lora.inject_lora(model, last_k=2, r=4, alpha=8.0, dropout=0.5)
+    randomize_b(model)
+    assert torch.equal(logits(model), logits(model))
+    model.train()
+    assert not torch.equal(logits(model), logits(model))
+
+
+# --- merge / unmerge / unload ---
+
+
+def test_merged_equals_unmerged_and_unmerge_restores_base_weights():
+    model = adapted_vlm()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "base_layer" in k}
+    adapted = logits(model)
+    lora.merge_lora(model)
+    torch.testing.assert_close(logits(model), adapted, atol=1e-5, rtol=0)
+    assert any(not torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    lora.unmerge_lora(model)
+    for k, v in before.items():
+        torch.testing.assert_close(model.state_dict()[k], v, atol=1e-6, rtol=0)
+    torch.testing.assert_close(logits(model), adapted, atol=1e-5, rtol=0)
+
+
+def test_merging_twice_or_unmerging_unmerged_raises():
+    model = adapted_vlm()
+    with pytest.raises(RuntimeError, match="not merged"):
+        lora.unmerge_lora(model)
+    lora.merge_lora(model)
+    with pytest.raises(RuntimeError, match="already merged"):
+        lora.merge_lora(model)
+
+
+def test_unload_gives_standard_keys_and_the_adapted_logits(tmp_path):
+    model = adapted_vlm()
+    plain_keys = set(make_random_vlm().state_dict())
+    adapted = logits(model)
+    assert lora.unload_lora(model) is model
+    assert set(model.state_dict()) == plain_keys
+    assert not any(isinstance(m, lora.LoRALinear) for m in model.modules())
+    torch.testing.assert_close(logits(model), adapted, atol=1e-5, rtol=0)
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(logits(reloaded), adapted, atol=1e-5, rtol=0)
+
+
+# --- what gets wrapped ---
+
+
+def test_only_targets_of_last_k_language_blocks_are_wrapped_and_trainable():
+    model = make_random_vlm()
+    names = lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
+    assert set(names) == wrapped and len(names) == 2 * len(TARGETS)
+    assert {n.split(".")[3] for n in names} == {"4", "5"}
+    assert all(n.startswith("model.language_model.layers.") for n in names)
+    assert {n.rsplit(".", 1)[1] for n in names} == TARGETS
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.{ab}.weight" for n in names for ab in ("lora_A", "lora_B")}
+    assert not any("visual" in n for n in trainable | wrapped)
+    assert {id(p) for p in lora.lora_parameters(model)} == {
+        id(p) for n, p in model.named_parameters() if n in trainable
+    }
+
+
+def test_gradient_reaches_only_lora_parameters():
+    model = adapted_vlm()
+    model(input_ids=INPUT_IDS).logits.square().mean().backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == ("lora_" in name), name
+    assert all(p.grad.abs().sum() > 0 for p in lora.lora_parameters(model))
+
+
+@pytest.mark.parametrize("last_k", [0, 7, -1])
+def test_last_k_out_of_range_raises_and_leaves_model_untouched(last_k):
+    model = make_random_vlm()
+    with pytest.raises(ValueError, match=r"last_k must be in \[1, 6\].*6 blocks"):
+        lora.inject_lora(model, last_k=last_k, r=4, alpha=8.0)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_no_matching_target_or_second_injection_raises():
+    model = make_random_vlm()
+    with pytest.raises(ValueError, match="no nn.Linear named"):
+        lora.inject_lora(model, last_k=1, r=4, alpha=8.0, target_modules=("qkv",))
+    assert all(p.requires_grad for p in model.parameters())
+    lora.inject_lora(model, last_k=1, r=4, alpha=8.0)
+    with pytest.raises(ValueError, match="already has LoRA"):
+        lora.inject_lora(model, last_k=1, r=4, alpha=8.0)
+
+
+@pytest.mark.parametrize("make", [make_random_qwen2_vl, make_random_qwen3_vl])
+def test_decoder_blocks_of_qwen2_vl_and_qwen3_vl_are_the_language_model_layers(make):
+    model = make()
+    path, blocks = lora.find_decoder_blocks(model)
+    assert path == "model.language_model.layers"
+    assert blocks is model.model.language_model.layers
+    base = logits(model)
+    names = lora.inject_lora(model, last_k=1, r=2, alpha=4.0)
+    assert all(n.startswith("model.language_model.layers.2.") for n in names)
+    assert torch.equal(logits(model), base)
+
+
+def test_decoder_blocks_of_causal_lm_and_vlm():
+    assert lora.find_decoder_blocks(make_random_causal_lm())[0] == "model.layers"
+    path, blocks = lora.find_decoder_blocks(make_random_vlm())
+    assert path == "model.language_model.layers" and len(blocks) == 6
+
+
+def test_unrecognised_model_raises_naming_class_and_paths():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"Sequential.*model\.language_model\.layers.*model\.layers"):
+        lora.find_decoder_blocks(model)
+
+
+# --- the disable switch (reference policy) ---
+
+
+def test_disabled_adapters_give_base_logits_and_restore_after():
+    model = make_random_vlm()
+    base = logits(model)
+    lora.inject_lora(model, last_k=3, r=4, alpha=8.0)
+    randomize_b(model)
+    adapted = logits(model)
+    with lora.adapters_disabled(model):
+        assert torch.equal(logits(model), base)
+    assert torch.equal(logits(model), adapted)
+
+
+def test_disabled_adapters_are_restored_after_an_exception():
+    model = adapted_vlm()
+    adapted = logits(model)
+    with pytest.raises(KeyError), lora.adapters_disabled(model):
+        raise KeyError("boom")
+    assert torch.equal(logits(model), adapted)
+
+
+def test_disable_refuses_merged_weights_and_merge_refuses_disabled_adapters():
+    model = adapted_vlm()
+    with lora.adapters_disabled(model), pytest.raises(RuntimeError, match="adapters_disabled"):
+        lora.merge_lora(model)
+    lora.merge_lora(model)
+    with pytest.raises(RuntimeError, match="unmerge_lora"), lora.adapters_disabled(model):
+        pass
+    assert not any(m.disabled for m in model.modules() if isinstance(m, lora.LoRALinear))
+
+
+def test_disable_without_adapters_raises():
+    with pytest.raises(ValueError, match="no LoRA adapters"), lora.adapters_disabled(make_random_vlm()):
+        pass
+
+
+# --- adapter I/O in PEFT's format ---
+
+
+def test_adapter_round_trips_exactly_into_a_fresh_model(tmp_path):
+    model = adapted_vlm()
+    lora.save_adapter(model, tmp_path, base_model_name_or_path="tiny/random-vlm")
+    fresh = make_random_vlm()
+    names = lora.load_adapter(fresh, tmp_path)
+    assert sorted(names) == sorted(n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear))
+    saved, loaded = lora.lora_state_dict(model), lora.lora_state_dict(fresh)
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert torch.equal(logits(fresh), logits(model))
+    assert not any(p.requires_grad for n, p in fresh.named_parameters() if "lora_" not in n)
+    lora.load_adapter(fresh, tmp_path)  # into a model that already has the same LoRA config
+    assert torch.equal(logits(fresh), logits(model))
+
+
+def test_adapter_keys_and_config_follow_peft(tmp_path):
+    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny/random-vlm")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    key = "base_model.model.model.language_model.layers.5.self_attn.q_proj"
+    assert tensors[f"{key}.lora_A.weight"].shape == (4, 64)
+    assert tensors[f"{key}.lora_B.weight"].shape == (64, 4)
+    assert len(tensors) == 2 * 2 * len(TARGETS)
+    assert not any("base_layer" in k or "visual" in k for k in tensors)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    expected = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(TARGETS),
+        "layers_to_transform": [4, 5],
+        "layers_pattern": "layers",
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny/random-vlm",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    assert {k: config[k] for k in expected} == expected
+
+
+def test_adapter_from_other_hidden_size_fails_naming_key_and_shapes(tmp_path):
+    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
+    config = make_random_vlm().config
+    config.text_config.hidden_size = 32
+    other = type(make_random_vlm())(config).eval()
+    pattern = (
+        r"shape mismatch for 'base_model\.model\.model\.language_model\.layers\.4\..*\(4, 64\).*\(4, 32\)"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        lora.load_adapter(other, tmp_path)
+    assert not any(isinstance(m, lora.LoRALinear) for m in other.modules())  # failed load changes nothing
+
+
+def test_adapter_from_other_layers_fails(tmp_path):
+    lora.save_adapter(adapted_vlm(last_k=2), tmp_path, base_model_name_or_path="tiny")
+    with pytest.raises(ValueError, match=r"layers \[4, 5\] out of range.*4 blocks"):
+        lora.load_adapter(make_random_vlm(num_layers=4), tmp_path)
+    three = make_random_vlm()
+    lora.inject_lora(three, last_k=3, r=4, alpha=8.0)
+    with pytest.raises(ValueError, match=r"different config.*\[3, 4, 5\].*\[4, 5\]"):
+        lora.load_adapter(three, tmp_path)
+
+
+def test_adapter_with_missing_or_unexpected_key_fails_naming_it(tmp_path):
+    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
+    path = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(path)
+    dropped = "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight"
+    save_file({k: v for k, v in tensors.items() if k != dropped}, path)
+    with pytest.raises(ValueError, match=f"missing 1 key.*{dropped}"):
+        lora.load_adapter(make_random_vlm(), tmp_path)
+    extra = "base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight"
+    save_file(tensors | {extra: torch.zeros(4, 32)}, path)
+    with pytest.raises(ValueError, match=f"unexpected key.*{extra}"):
+        lora.load_adapter(make_random_vlm(), tmp_path)
+
+
+def test_peft_loads_our_adapter_and_we_load_peft_s_with_the_same_logits(tmp_path):
+    peft = pytest.importorskip("peft")  # not a project dependency; runs only where peft is installed
+    model = make_random_vlm()
+    lora.inject_lora(model, last_k=2, r=4, alpha=8.0, dropout=0.05)
+    randomize_b(model)
+    lora.save_adapter(model, tmp_path / "ours", base_model_name_or_path="tiny")
+    peft_model = peft.PeftModel.from_pretrained(make_random_vlm(), tmp_path / "ours").eval()
+    wrapped = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "lora_" not in n}
+    assert len(wrapped) == 2 * len(TARGETS) and not any("visual" in n for n in wrapped)
+    torch.testing.assert_close(logits(peft_model), logits(model), atol=1e-6, rtol=0)
+    peft_model.save_pretrained(tmp_path / "peft")
+    fresh = make_random_vlm()
+    lora.load_adapter(fresh, tmp_path / "peft")
+    torch.testing.assert_close(logits(fresh), logits(model), atol=1e-6, rtol=0)
+
+
+# --- module boundary ---
+
+
+def test_lora_imports_only_torch_safetensors_and_stdlib():
+    tree = ast.parse((Path(__file__).parents[1] / "lora.py").read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "lora.py must not use relative imports"
+            roots.add(node.module.split(".")[0])
+    assert roots - set(sys.stdlib_module_names) <= {"torch", "safetensors"}, roots
