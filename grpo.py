@@ -1,0 +1,519 @@
+"""Group Relative Policy Optimization (GRPO) for VLMs: sampling, log-probs, advantages, loss.
+
+Pure functions on tensors; this module imports torch and the standard library only, so it can be copied alone.
+Papers: GRPO from DeepSeekMath (Shao et al. 2024), built on PPO (Schulman et al. 2017); clip-higher and the
+token-level normaliser from DAPO (Yu et al. 2025); the unbiased variant Dr. GRPO (Liu et al. 2025); the k3 KL
+estimator from Schulman's note "Approximating KL Divergence" (2020).
+
+Letters used in shape comments:
+    B  prompts in the batch             G  completions per prompt (group size)
+    N  = B * G rows                      P  prompt length (left-padded)
+    T  completion length (longest row)   V  vocabulary size
+Rows are grouped contiguously: rows [g*G, (g+1)*G) are the G completions of prompt g (the caller expands the
+prompts with `repeat_interleave`, images included, in row order).
+
+The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, mask m_it):
+
+    A_i      = (r_i - mean_group(r)) / (std_group(r) + eps)   group-relative advantage
+    ratio_it = exp(logp_it - old_logp_it)                 logp_it = log pi(y_it | prompt, y_i<t)
+    l_it     = -min(ratio_it * A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) * A_i) + beta * k3_it
+    k3_it    = exp(d_it) - d_it - 1, d = ref_logp - logp   >= 0, unbiased for KL(pi || ref)
+    loss     = aggregate(l, m)                            see `aggregate` for the four ways
+
+Pipeline: `sample_completions` -> `completion_mask` -> (rewards, elsewhere) -> `group_advantages` ->
+`completion_logprobs` (with grad for logp, without for old_logp/ref_logp) -> `grpo_loss` -> backward.
+
+Choices, where the literature differs:
+- Advantage scale: `scale="group"` divides by the group's std (DeepSeekMath; unbiased std with G - 1, as TRL),
+  `"batch"` by the std of all N rewards, `"none"` not at all (Dr. GRPO: the std division over-weights
+  near-uniform groups, i.e. too-easy or too-hard prompts).
+- Normalisation over tokens (`loss_type`): "grpo" averages each sequence, then the sequences (DeepSeekMath;
+  a token of a long completion weighs less), "bnpo"/"dapo" average over all tokens of the batch (DAPO),
+  "dr_grpo" divides by a constant N * max_completion_length (Dr. GRPO; no length bias at all).
+- KL: the k3 estimator, added to the loss per token (DeepSeekMath), not folded into the reward (PPO-RLHF).
+  beta = 0 drops it and the reference model with it (DAPO, Dr. GRPO).
+- Clipping: two epsilons (DAPO's clip-higher); clip_eps_low == clip_eps_high is plain PPO.
+- EOS is an action: the model chose to stop, so the EOS token is in the mask and gets gradient. Tokens after
+  it are padding and get exactly zero gradient.
+- Truncated completions (no EOS within max_new_tokens) keep all their tokens in the loss. DAPO's overlong
+  filtering would mask them; a caller who wants that can zero their advantage using `truncated`.
+- Sampling uses temperature and top_p, never top_k. logp is the full temperature-scaled softmax, although
+  top_p < 1 and `suppress_token_ids` make the sampler draw from a truncated, renormalised distribution (the
+  standard choice, as in TRL): ratio and KL compare two policies under the same definition, so this is
+  consistent; it is just not the exact sampling probability.
+- With one optimiser step per rollout (mu = 1) pass old_logp = logp.detach(): ratio == 1, nothing is clipped
+  and the gradient is REINFORCE with the group mean as baseline. For mu > 1 compute old_logp with
+  `completion_logprobs` under no_grad before the first step, not from generate: the same numerical path makes
+  the first ratio exactly 1 (generate's KV-cache path agrees only to rounding, which matters in bf16).
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+ADVANTAGE_SCALES = ("group", "batch", "none")
+
+# The keys a prompt batch may carry. Anything else is an error rather than silently dropped: the recompute
+# must see exactly what generation saw.
+_INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+# --- log-probabilities --------------------------------------------------------------------------------------
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(logits)[index] with a hand-written backward, one row at a time in both directions.
+
+    Autograd through a plain row loop would keep every row's fp32 upcast alive for logsumexp's backward (twice
+    the size of a bf16 logits tensor). Here only the logits (alive anyway) and an (N, T) logsumexp are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # At least fp32: a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in the ratio.
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        # One (T, V) upcast (plus logsumexp's temporaries) is alive at a time, never an (N, T, V) one.
+        lse = torch.stack([torch.logsumexp(row.to(dtype), dim=-1) for row in logits])  # (N, T)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).to(dtype)  # (N, T)
+        ctx.save_for_backward(logits, index, lse)
+        return picked - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, index, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
+        for i in range(logits.shape[0]):
+            # d logp / d logits = onehot(index) - softmax(logits), scaled by the incoming grad (T,).
+            row = torch.exp(logits[i].to(lse.dtype) - lse[i, :, None]).mul_(-grad[i, :, None])  # (T, V)
+            row.scatter_add_(-1, index[i, :, None], grad[i, :, None])
+            grad_logits[i] = row
+        return grad_logits, None
+
+
+def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """log p(index) = logits.gather(index) - logsumexp(logits), for logits (N, T, V) and index (N, T).
+
+    Equal to `log_softmax(logits, -1).gather(-1, index)` without ever holding an (N, T, V) log-softmax: the
+    logsumexp is computed row by row, so the extra peak memory is one row's (T, V) temporaries, about 2/N of
+    an fp32 logits tensor (4/N of a bf16 one, whose rows are upcast). Autograd saves nothing beyond the
+    logits.
+    Returns (N, T) in fp32 for fp32/bf16/fp16 logits (fp64 stays fp64): for bf16 the logsumexp is taken in
+    fp32, since that is where a log-prob loses its precision; the gathered logit is exact in any dtype.
+    NOTE: non-finite logits are not sanitised: -inf at a non-chosen token is fine (it has zero probability);
+    NaN anywhere in a row, or -inf at the chosen token, makes that log-prob NaN/-inf.
+    """
+    return _SelectiveLogSoftmax.apply(logits, index)
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (N, T) of softmax(logits) for logits (N, T, V), row by row, without grad (it is a metric)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    with torch.no_grad():
+        # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
+        return torch.stack(
+            [torch.special.entr(torch.softmax(row.to(dtype), dim=-1)).sum(-1) for row in logits]
+        )
+
+
+def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
+    unknown = set(inputs) - set(_INPUT_KEYS)
+    if unknown:
+        raise ValueError(f"unexpected prompt inputs {sorted(unknown)}; expected a subset of {_INPUT_KEYS}")
+    # NOTE: with right padding the completion would follow pad tokens; generate only warns about it.
+    if not bool(inputs["attention_mask"][:, -1].all()):
+        raise ValueError("prompts must be LEFT-padded: attention_mask[:, -1] must be 1 on every row")
+    # NOTE: without mm_token_type_ids, transformers 5 silently falls back to 1D positions for Qwen-VL.
+    if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:
+        raise ValueError("image inputs need mm_token_type_ids to build Qwen-VL's 3D mRoPE positions")
+    if ("pixel_values" in inputs) != ("image_grid_thw" in inputs):
+        raise ValueError("pixel_values and image_grid_thw must be given together")
+
+
+def _generation_kwargs(
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    eos_token_id: int,
+    pad_token_id: int,
+    suppress_token_ids: Sequence[int],
+    return_logprobs: bool,
+) -> dict:
+    """Every generate() option that can change which tokens are drawn, set explicitly.
+
+    generate() fills each option it is not given (or given as a GenerationConfig field left at None) from the
+    checkpoint's generation_config, then from library defaults: top_k=50 by default, and Qwen2.5-VL-Instruct,
+    for one, ships a repetition penalty and a top_k. Keyword arguments win over both; None switches a
+    processor off.
+    """
+    sample = temperature > 0
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": sample,
+        "temperature": temperature if sample else None,
+        "top_p": top_p if sample else None,
+        # NOTE: top_k is off on purpose; left unset it would be inherited (50, or the checkpoint's value).
+        "top_k": None,
+        "min_p": None,
+        "top_h": None,
+        "typical_p": 1.0,
+        "epsilon_cutoff": 0.0,
+        "eta_cutoff": 0.0,
+        "repetition_penalty": 1.0,
+        "encoder_repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
+        "encoder_no_repeat_ngram_size": 0,
+        "bad_words_ids": None,
+        "sequence_bias": None,
+        "guidance_scale": None,
+        "min_length": 0,
+        "min_new_tokens": None,
+        "forced_bos_token_id": None,
+        "forced_eos_token_id": None,
+        "exponential_decay_length_penalty": None,
+        "begin_suppress_tokens": None,
+        "suppress_tokens": list(suppress_token_ids) or None,
+        "watermarking_config": None,
+        "remove_invalid_values": False,
+        "num_beams": 1,
+        "num_return_sequences": 1,
+        # A single EOS id: a checkpoint's list of several would end rows on tokens we do not treat as EOS.
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "use_cache": True,
+        "return_dict_in_generate": True,
+        "output_logits": return_logprobs,
+    }
+
+
+@torch.no_grad()
+def sample_completions(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    eos_token_id: int,
+    pad_token_id: int,
+    suppress_token_ids: Sequence[int] = (),
+    return_logprobs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sample one completion per row with a single batched `model.generate` call.
+
+    `inputs` holds N already-expanded rows: `input_ids` and `attention_mask` (N, P), LEFT-padded, and for
+    image batches `pixel_values` (patches, 1176), `image_grid_thw` (images, 3), `mm_token_type_ids` (N, P).
+    temperature > 0 samples from softmax(logits / temperature) truncated to top_p; temperature == 0 is greedy.
+    top_k is always off and no other option is inherited from the model's generation_config.
+    `suppress_token_ids` (vision placeholders and markers, chat-control tokens other than EOS) can never be
+    sampled, so a completion cannot contain image tokens that the recompute would have no pixels for.
+
+    Returns completion ids (N, T), only the new tokens, T <= max_new_tokens, rows that stopped early padded
+    with pad_token_id; and, if `return_logprobs`, the generation-time log-probs (N, T) of the drawn tokens:
+    generate's raw logits / temperature (1 if greedy), log-softmaxed over the full vocabulary, the definition
+    of `completion_logprobs`. This keeps (N, T, V) logits, so it is for tests and diagnostics only. Values
+    after a row's EOS are log-probs of padding, finite and meaningless: mask them with `completion_mask`.
+    """
+    _check_inputs(inputs)
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+    if eos_token_id in suppress_token_ids:
+        raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
+    kwargs = _generation_kwargs(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        suppress_token_ids=suppress_token_ids,
+        return_logprobs=return_logprobs,
+    )
+    out = model.generate(**inputs, **kwargs)
+    P = inputs["input_ids"].shape[1]
+    completion_ids = out.sequences[:, P:]  # (N, T) decoder-only generate returns prompt + new tokens
+    if not return_logprobs:
+        return completion_ids, None
+    # out.logits are the raw logits, before temperature, top_p and suppression are applied.
+    logits = torch.stack(out.logits, dim=1)  # (N, T, V)
+    if temperature > 0:
+        logits = logits / temperature
+    return completion_ids, selective_log_softmax(logits, completion_ids)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss mask (N, T) bool and `truncated` (N,) bool, built from each row's length, never from token values.
+
+    A row's length runs up to and including its first EOS (EOS is an action); everything after it is padding,
+    whatever its value, so this is right when pad == eos (a test `ids != pad` would drop the EOS). A row with
+    no EOS was cut at max_new_tokens: all T positions count and it is flagged `truncated`.
+    NOTE: an empty completion (EOS as the first token) has length 1: stopping at once is a decision to learn.
+    """
+    T = completion_ids.shape[1]
+    is_eos = completion_ids == eos_token_id  # (N, T)
+    truncated = ~is_eos.any(dim=1)  # (N,)
+    if T == 0:  # NOTE: nothing generated (max_new_tokens == 0); avoids argmax of an empty dim
+        return is_eos, truncated
+    # argmax returns the FIRST maximal index, i.e. the first EOS; rows without one have length T.
+    first_eos = is_eos.to(torch.int8).argmax(dim=1)  # (N,)
+    lengths = torch.where(truncated, T, first_eos + 1)  # (N,) +1: the EOS itself is in
+    positions = torch.arange(T, device=completion_ids.device)  # (T,)
+    return positions[None, :] < lengths[:, None], truncated
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    completion_ids: torch.Tensor,
+    *,
+    temperature: float,
+    return_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(completion token | prompt, earlier tokens) (N, T), recomputed with one forward pass.
+
+    This is the gradient-carrying logp of the loss (call it under no_grad for old_logp and ref_logp). It
+    rebuilds exactly what generate saw: the same ids, pixels and grids, the mask extended with ones, positions
+    from the mask. The distribution is softmax(logits / temperature) over the full vocabulary (temperature 0,
+    greedy, counts as 1). Sampling with top_p < 1 or suppressed tokens drew from a truncated, renormalised
+    version of it; logp deliberately ignores that (see the module docstring). With `return_entropy`, also the
+    entropy (N, T) of that distribution, without grad (a metric). Values after a row's EOS are finite and must
+    be masked.
+    """
+    _check_inputs(inputs)
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]  # (N, P)
+    T = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + T)
+    # Ones over the whole completion, as generate appends them: tokens after EOS are seen only by later,
+    # masked positions (attention is causal), so they cannot change any unmasked log-prob.
+    ones = torch.ones_like(completion_ids, dtype=prompt_mask.dtype)  # (N, T)
+    attention_mask = torch.cat([prompt_mask, ones], dim=1)  # (N, P + T)
+    extra = {}
+    if "mm_token_type_ids" in inputs:
+        # Completion tokens are text (type 0): image tokens were suppressed at sampling time.
+        extra["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
+    if "image_grid_thw" in inputs:
+        # The model derives 3D mRoPE positions from mm_token_type_ids + attention_mask, as generate did.
+        extra.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    else:
+        # NOTE: without positions the model would use arange(P + T), but generate numbered each row from its
+        # first real token (cumsum of the mask). With left padding the two differ by the row's pad count:
+        # RoPE only sees position differences, so there it costs rounding; learned absolute positions break.
+        extra["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (N, P + T)
+    # Only the last T + 1 positions' logits: the prompt's are never needed. use_cache=False: no KV cache.
+    out = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1, use_cache=False, **extra
+    )
+    logits = out.logits  # (N, T + 1, V) positions P - 1 .. P + T - 1
+    if temperature > 0 and temperature != 1:
+        # In place, to avoid a second (N, T + 1, V) tensor; safe: lm_head's backward never reads its output
+        # (were a model's last op to need it, autograd would raise, not silently go wrong).
+        logits.div_(temperature)
+    # Off-by-one: the logit at position j predicts token j + 1. Position P - 1 (last prompt token) predicts
+    # completion token 0; the last position predicts a token past the end and is dropped.
+    logits = logits[:, :-1]  # (N, T, V)
+    logp = selective_log_softmax(logits, completion_ids)  # (N, T)
+    return logp, (_entropy(logits) if return_entropy else None)
+
+
+# --- advantages and loss ------------------------------------------------------------------------------------
+
+
+def _zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(B,) bool: groups whose G rewards are all equal, tested exactly (a std may round to non-zero)."""
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    return (grouped == grouped[:, :1]).all(dim=1)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale: str = "group",
+    eps: float = 1e-4,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """Advantages (N,) = (r - mean of the row's group) / (std + eps), optionally clipped to [-clip, clip].
+
+    scale: "group" divides by the group's std, unbiased (divisor G - 1, like TRL; DeepSeekMath does not say);
+    "batch" by the unbiased std of all N rewards; "none" does not divide (Dr. GRPO, Liu et al. 2025). eps
+    keeps the division finite. Rewards are cast to fp32 (fp64 stays fp64).
+    NOTE: a zero-variance group (every completion scored the same) has advantage exactly 0, never NaN, under
+    every scale: it carries no learning signal. `rollout_metrics` reports its share as frac_zero_std_groups.
+    NOTE: G == 1 is an error (no group to compare against), as are N % G != 0 and non-finite rewards.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 to have a group baseline, got {group_size}")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards must be (N,) with N divisible by group_size={group_size}, got {rewards.shape}"
+        )
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite: a NaN would spread to the whole group's advantages")
+    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
+    # The mean of equal floats need not round back to them exactly; force the zero the math promises.
+    centered = torch.where(_zero_std_groups(rewards, group_size)[:, None], 0.0, centered)  # (B, G)
+    if scale == "group":
+        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G) / (B, 1)
+    elif scale == "batch":
+        centered = centered / (rewards.std() + eps)
+    adv = centered.reshape(-1)  # (N,) back to row order
+    return adv if clip is None else adv.clamp(-clip, clip)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 with d = ref_logp - logp.
+
+    Unbiased for tokens sampled from pi, never negative (exp(d) >= 1 + d), exactly 0 where logp == ref_logp.
+    Computed as expm1(d) - d, the same quantity without the cancellation of exp(d) - 1 for small d, which in
+    fp32 can round to a tiny negative number. NOTE: large d (ref far more likely than pi) grows like exp(d).
+    """
+    d = ref_logp - logp
+    return torch.expm1(d) - d
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: str,
+    max_completion_length: int | None = None,
+    num_rows: int | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it.
+
+        "grpo"    (1 / num_rows) * sum_i (sum_t m_it x_it) / L_i       mean per sequence, then over sequences
+        "bnpo"    sum_it m_it x_it / num_tokens                         mean over this batch's tokens
+        "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
+        "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
+
+    num_rows defaults to N and num_tokens to sum(m) of this call. A caller that splits one batch into
+    micro-batches (or ranks) passes the totals of the whole batch, and the sum over chunks then equals the
+    unchunked loss and gradient exactly, for every loss_type. bnpo and dapo therefore share one formula here;
+    they differ in the scope of num_tokens: bnpo counts the tokens of one optimiser step's batch on this
+    process, dapo those of the global batch across processes (sum them with an all-reduce before calling).
+    NOTE: masked positions are excluded with `where`, not by multiplying, so a non-finite value there cannot
+    leak in (inf * 0 = NaN). Non-finite values at unmasked positions propagate to the result.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    mask = mask.bool()
+    per_token = torch.where(mask, per_token, 0.0)  # (N, T)
+    num_rows = mask.shape[0] if num_rows is None else num_rows
+    if loss_type == "grpo":
+        # clamp: a zero-length row (only when T == 0) would be 0 / 0; real completions have length >= 1.
+        lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
+        return (per_token.sum(dim=1) / lengths).sum() / num_rows
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (the sampler's max_new_tokens)")
+        return per_token.sum() / (num_rows * max_completion_length)
+    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    return per_token.sum() / num_tokens
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    beta: float,
+    loss_type: str,
+    max_completion_length: int | None = None,
+    num_rows: int | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
+
+    Per token: -min(ratio * adv, clip(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * adv) + beta * kl_k3, with
+    ratio = exp(logp - old_logp), reduced by `aggregate` (loss_type, max_completion_length, num_rows and
+    num_tokens are passed through). ref_logp may be None only when beta == 0; given with beta == 0, the KL is
+    only reported. With old_logp = logp.detach() (mu = 1) the loss equals -aggregate(adv) and its gradient is
+    the REINFORCE gradient -aggregate(adv * grad logp).
+    Stats (python floats, means over this call's unmasked tokens): kl (if ref_logp is given), clip_frac_low
+    (ratio < 1 - clip_eps_low with adv < 0: the clip binds), clip_frac_high (ratio > 1 + clip_eps_high with
+    adv > 0), ratio_mean.
+    NOTE: masked positions get exactly zero gradient, even if they hold inf/NaN. A non-finite value at an
+    unmasked position makes the loss non-finite: check `torch.isfinite(loss)` before stepping.
+    """
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    mask = mask.bool()
+    adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
+    # Mask BEFORE exp: at a masked position logp - old_logp may be huge, exp -> inf, and where's zero gradient
+    # times inf is NaN. Zeroing the input keeps the gradient there exactly 0.
+    log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, T)
+    ratio = torch.exp(log_ratio)  # (N, T)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
+    # The pessimistic bound: the clip only takes effect when it lowers the objective (PPO).
+    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (N, T)
+    kl = None
+    if ref_logp is not None:
+        # Same masking-before-exp reason; both sides 0 gives k3 = 0 with zero gradient.
+        kl = kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))  # (N, T)
+        if beta > 0:
+            per_token = per_token + beta * kl
+    loss = aggregate(
+        per_token,
+        mask,
+        loss_type=loss_type,
+        max_completion_length=max_completion_length,
+        num_rows=num_rows,
+        num_tokens=num_tokens,
+    )
+    with torch.no_grad():
+        clip_low = (ratio < 1 - clip_eps_low) & (adv < 0)  # (N, T)
+        clip_high = (ratio > 1 + clip_eps_high) & (adv > 0)  # (N, T)
+        values = {"clip_frac_low": clip_low.float(), "clip_frac_high": clip_high.float(), "ratio_mean": ratio}
+        if kl is not None:
+            values["kl"] = kl
+        n = mask.sum().clamp(min=1)
+        means = torch.stack([torch.where(mask, v, 0).sum() / n for v in values.values()])
+        stats = dict(zip(values, means.tolist()))  # one device sync for all of them
+    return loss, stats
+
+
+def rollout_metrics(
+    rewards: torch.Tensor,
+    components: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    truncated: torch.Tensor,
+    correct: torch.Tensor | None,
+    group_size: int,
+) -> dict[str, float]:
+    """Scalars to log about one rollout; all tensors are per row (N,) except mask (N, T).
+
+    Keys: reward/mean, reward/std, reward/<name>/mean and reward/<name>/std for each reward component,
+    frac_zero_std_groups (groups whose advantage is 0: no signal), completion_length/mean and /max (tokens,
+    EOS included), frac_truncated, and if `correct` is given frac_correct, completion_length/correct and
+    completion_length/incorrect. Stds are population stds (divisor N), so N = 1 gives 0, not NaN.
+    NOTE: completion_length/correct (or /incorrect) is left out when no completion is correct (or incorrect):
+    a mean of nothing is not a number, and 0 would read as a real length.
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"N={rewards.numel()} rewards do not split into groups of {group_size}")
+    lengths = mask.sum(dim=1).float()  # (N,)
+    metrics = {"reward/mean": rewards.float().mean(), "reward/std": rewards.float().std(correction=0)}
+    for name, values in components.items():
+        metrics[f"reward/{name}/mean"] = values.float().mean()
+        metrics[f"reward/{name}/std"] = values.float().std(correction=0)
+    metrics["frac_zero_std_groups"] = _zero_std_groups(rewards, group_size).float().mean()
+    metrics["completion_length/mean"] = lengths.mean()
+    metrics["completion_length/max"] = lengths.max()
+    metrics["frac_truncated"] = truncated.float().mean()
+    if correct is not None:
+        correct = correct.bool()
+        metrics["frac_correct"] = correct.float().mean()
+        for key, rows in (("correct", correct), ("incorrect", ~correct)):
+            if bool(rows.any()):
+                metrics[f"completion_length/{key}"] = lengths[rows].mean()
+    return {key: float(value) for key, value in metrics.items()}
