@@ -1,0 +1,325 @@
+"""Samples, synthetic tasks and image+text input preparation for Qwen-VL style models.
+
+A *sample* is a plain dict, one per JSONL line:
+
+    {"id": "a1", "images": ["img/a1_0.png", "img/a1_1.png"], "prompt": "Inspect the installation.",
+     "label": "通过", ...any other fields, passed to the reward functions untouched}
+
+- `images`: paths relative to the JSONL file (absolute paths work too); may be empty or absent (text-only).
+  Several images form one group-level sample: the model sees all of them in one prompt. Synthetic tasks
+  put `PIL.Image` objects here instead of paths.
+- `prompt` (a string; the images are placed before it in one user turn) or `messages` (chat form,
+  `[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...]`, with one
+  `{"type": "image"}` entry per image, in order).
+
+Input preparation follows what Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, without torchvision:
+chat text from the tokenizer's chat template (each image becomes `<|vision_start|><|image_pad|>
+<|vision_end|>`), `pixel_values` and `image_grid_thw` from the image processor, and each `<|image_pad|>`
+expanded to `grid_t * grid_h * grid_w / merge_size**2` copies, one per visual token the merger emits.
+Prompts are LEFT-padded so that every row's completion starts at the same column P during generation.
+
+Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt length (padded).
+
+Choices:
+- A prompt longer than `max_prompt_length` raises instead of being truncated: cutting through a run of
+  image tokens would desynchronise text and `pixel_values`, and silently cutting text changes the task.
+- Rows are expanded with `repeat_interleave` semantics (prompt b becomes rows b*G .. b*G+G-1), and the
+  flat `pixel_values` / `image_grid_thw` are expanded *per prompt block*, never with a flat `repeat`
+  (the classic bug that pairs row b's text with another row's pixels).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+
+IMAGE_PAD = "<|image_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL datasets
+
+
+def _where(sample: dict) -> str:
+    """'file:line' of a sample read from JSONL, or its id / '<synthetic>' for generated samples."""
+    return sample.get("_where") or f"sample {sample.get('id', '<synthetic>')}"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read and validate a JSONL dataset; every problem raises ValueError naming `file:line`.
+
+    Image paths are resolved relative to the JSONL file and checked to exist (opening and decoding them
+    happens in `load_image`, which names the same location). Each returned sample gets `_where`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    samples = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing newline) are not samples
+            where = f"{path}:{lineno}"
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+            samples.append(_validate_sample(sample, where, base_dir=path.parent))
+    if not samples:
+        raise ValueError(f"{path}: dataset is empty (no JSON lines)")
+    return samples
+
+
+def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
+    if not isinstance(sample, dict):
+        raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")  # noqa: TRY004 (a data error, reported as one)
+    has_prompt, has_messages = "prompt" in sample, "messages" in sample
+    if has_prompt == has_messages:
+        raise ValueError(f"{where}: a sample needs exactly one of 'prompt' (string) or 'messages' (list)")
+    if has_prompt and not (isinstance(sample["prompt"], str) and sample["prompt"].strip()):
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
+    if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
+        raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
+    images = sample.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+        raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
+    resolved = []
+    for p in images:
+        full = (base_dir / p).resolve()
+        if not full.is_file():
+            raise ValueError(f"{where}: image {p!r} not found (looked for {full})")
+        resolved.append(str(full))
+    return {**sample, "images": resolved, "_where": where}
+
+
+def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
+    """Open one image as RGB; a missing, empty or undecodable file raises naming the sample's line."""
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    path = Path(image)
+    if not path.is_file():
+        raise ValueError(f"{_where(sample)}: image {path} not found")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{_where(sample)}: image {path} is an empty file")
+    try:
+        with Image.open(path) as im:
+            return im.convert("RGB")  # convert() forces a full decode, so truncated files fail here
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{_where(sample)}: image {path} cannot be decoded ({e})") from e
+
+
+# --------------------------------------------------------------------------------------------------
+# Chat text and tensors
+
+
+def sample_messages(sample: dict) -> list[dict]:
+    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt."""
+    if "messages" in sample:
+        return sample["messages"]
+    content = [{"type": "image"} for _ in sample.get("images", [])]
+    content.append({"type": "text", "text": sample["prompt"]})
+    return [{"role": "user", "content": content}]
+
+
+@dataclass
+class PromptBatch:
+    """Model inputs for a batch of prompts, plus how many images each row owns (needed to expand rows).
+
+    `inputs` holds exactly the keyword arguments for `model(...)` / `model.generate(...)`: `input_ids`
+    (rows, P) left-padded, `attention_mask` (rows, P), and for batches with images `pixel_values`
+    (patches, C*temporal*patch*patch), `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P).
+    """
+
+    inputs: dict[str, torch.Tensor]
+    images_per_row: list[int]
+
+    @property
+    def prompt_length(self) -> int:
+        return self.inputs["input_ids"].shape[1]
+
+
+def prepare_prompts(
+    samples: list[dict],
+    tokenizer,
+    image_processor,
+    *,
+    device: torch.device | str,
+    max_prompt_length: int | None = None,
+) -> PromptBatch:
+    """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
+    texts, images, images_per_row = [], [], []
+    for sample in samples:
+        text = tokenizer.apply_chat_template(
+            sample_messages(sample), tokenize=False, add_generation_prompt=True
+        )
+        sample_images = [load_image(im, sample) for im in sample.get("images", [])]
+        if text.count(IMAGE_PAD) != len(sample_images):
+            raise ValueError(
+                f"{_where(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
+                f"sample has {len(sample_images)} images"
+            )
+        texts.append(text)
+        images.extend(sample_images)
+        images_per_row.append(len(sample_images))
+
+    inputs: dict[str, torch.Tensor] = {}
+    if images:
+        if image_processor is None:
+            raise ValueError(
+                f"{_where(samples[0])}: this model has no image processor (text-only) but got images"
+            )
+        vision = image_processor(images=images, return_tensors="pt")
+        grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
+        tokens_per_image = (grid.prod(-1) // image_processor.merge_size**2).tolist()
+        texts = _expand_image_pads(texts, images_per_row, tokens_per_image)
+        inputs["pixel_values"] = vision["pixel_values"].to(device)
+        inputs["image_grid_thw"] = grid.to(device)
+
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    for sample, row in zip(samples, ids):
+        if max_prompt_length is not None and len(row) > max_prompt_length:
+            raise ValueError(
+                f"{_where(sample)}: prompt is {len(row)} tokens (images included) but max_prompt_length is "
+                f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
+                f"cut through the image tokens would no longer match pixel_values)"
+            )
+    P = max(len(row) for row in ids)
+    # NOTE: left padding, so that generated tokens of every row start at column P.
+    input_ids = torch.full((len(ids), P), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), P), dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, P - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[i, P - len(row) :] = 1
+    inputs["input_ids"] = input_ids.to(device)
+    inputs["attention_mask"] = attention_mask.to(device)
+    if images:
+        # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens.
+        image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        inputs["mm_token_type_ids"] = (input_ids == image_pad_id).long().to(device) * attention_mask.to(
+            device
+        )
+    return PromptBatch(inputs=inputs, images_per_row=images_per_row)
+
+
+def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_image: list[int]) -> list[str]:
+    """Replace the k-th `<|image_pad|>` of the batch by as many copies as image k has visual tokens."""
+    counts = iter(tokens_per_image)
+    out = []
+    for text, n_images in zip(texts, images_per_row):
+        pieces = text.split(IMAGE_PAD)
+        assert len(pieces) == n_images + 1  # checked per sample in prepare_prompts
+        expanded = pieces[0]
+        for piece in pieces[1:]:
+            expanded += IMAGE_PAD * next(counts) + piece
+        out.append(expanded)
+    return out
+
+
+def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
+    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images.
+
+    `input_ids`-like tensors use `repeat_interleave`. The flat `pixel_values` (patches of all images, in row
+    order) and `image_grid_thw` (one line per image) are cut into per-row blocks first and each block is
+    repeated G times in place, so that row r's text is always followed by row r's pixels.
+    """
+    G = group_size
+    out: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in batch.inputs:
+            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
+    if "image_grid_thw" in batch.inputs:
+        grid = batch.inputs["image_grid_thw"]  # (images, 3)
+        grids_per_row = grid.split(batch.images_per_row)
+        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
+        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
+        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
+        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
+    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
+    return PromptBatch(inputs=out, images_per_row=images_per_row)
+
+
+# --------------------------------------------------------------------------------------------------
+# Built-in synthetic tasks (drawn with PIL from a seed; the same seed always gives the same samples)
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
+SHAPES = ("circle", "square", "triangle")
+IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
+SHAPES_PROMPT = "what colour and shape is this?"
+INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
+TASKS = ("shapes", "inspection")
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
+
+
+def _shapes_sample(rng: random.Random, index: int) -> dict:
+    colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (235, 235, 235))
+    size = rng.randint(30, 46)
+    x0, y0 = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
+    _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
+    return {
+        "id": f"shapes-{index}",
+        "images": [image],
+        "prompt": SHAPES_PROMPT,
+        "answer": f"{colour} {shape}",
+    }
+
+
+def _inspection_sample(rng: random.Random, index: int) -> dict:
+    """1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark.
+
+    The per-photo defect probability makes pass and fail equally likely for every photo count.
+    """
+    n_images = rng.randint(1, 4)
+    p_defect = 1 - 0.5 ** (1 / n_images)
+    images, defective = [], []
+    for k in range(n_images):
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
+        draw = ImageDraw.Draw(image)
+        draw.rectangle((6, 6, 49, 49), fill=(120, 125, 135))  # the panel
+        for bx, by in ((12, 12), (40, 12), (12, 40), (40, 40)):  # four bolts
+            draw.ellipse((bx - 3, by - 3, bx + 3, by + 3), fill=(60, 60, 60))
+        if rng.random() < p_defect:
+            cx, cy, r = rng.randint(16, 40), rng.randint(16, 40), rng.randint(6, 9)
+            draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
+            defective.append(k + 1)
+        images.append(image)
+    if defective:
+        label, reason = "不通过", f"理由: 图片{defective[0]}有缺陷"
+    else:
+        label, reason = "通过", "理由: 无缺陷"
+    return {
+        "id": f"inspection-{index}",
+        "images": images,
+        "prompt": INSPECTION_PROMPT,
+        "label": label,
+        "answer": f"{label}\n{reason}",
+    }
+
+
+def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
+    """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
+    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample}
+    if name not in makers:
+        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(TASKS)}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    # Disjoint streams per task and split: a held-out sample is never a training sample re-drawn.
+    rng = random.Random(f"{name}/{split}/{seed}")
+    return [makers[name](rng, i) for i in range(n)]

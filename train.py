@@ -1,0 +1,564 @@
+"""GRPO with LoRA on a Qwen-VL style model: the command-line trainer.
+
+    python train.py                               # embedded tiny VLM, built-in task, CPU, a few minutes
+    python train.py --help                        # every flag, with its documentation
+    python train.py --dry-run                     # one rollout + rewards + loss, no update, then exit
+    python train.py --resume runs/grpo            # continue a run from its latest checkpoint
+    python train.py --model Qwen/Qwen2.5-VL-3B-Instruct --data my.jsonl --reward label format \\
+        --reward-weight 1.0 0.5 --gate format --device cuda --max-new-tokens 128 --lr 1e-5
+
+One training step (see `main`): sample G completions for each of B prompts with the current policy
+(no grad) -> score them with the reward functions -> group z-score advantages -> recompute the
+completion log-probs WITH gradient (same images, masks, temperature) -> PPO-clip + KL loss ->
+optimizer step on the LoRA parameters only -> log. The reference policy is the same model with its
+adapters switched off. The algorithm lives in grpo.py, the rewards in rewards.py, LoRA in lora.py,
+inputs in data.py and loading/checkpoints in model_io.py; this file only wires them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+import data
+import grpo
+import lora
+import model_io
+import rewards
+
+
+@dataclass
+class Args:
+    # --- model ---
+    model: str = model_io.DEFAULT_MODEL
+    """Local folder or hub id of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or a text-only causal LM.
+    The default is the tiny Qwen2.5-VL shipped in assets/."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
+    dtype: str = "auto"
+    """'auto' (bf16 on CUDA, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+
+    # --- data ---
+    data: tuple[str, ...] = ()
+    """Training JSONL file(s). Empty: the built-in task `--task`."""
+    eval_data: str | None = None
+    """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
+    task: Literal["shapes", "inspection"] = "inspection"
+    """Built-in synthetic task used when --data is empty."""
+    train_size: int = 2000
+    """Number of built-in training samples."""
+    eval_size: int = 200
+    """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
+    max_prompt_length: int = 4096
+    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+
+    # --- lora ---
+    lora_last_k: int = 4
+    """LoRA goes into the last K decoder blocks of the language model (vision tower frozen)."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is B @ A * alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch input during the gradient pass."""
+
+    # --- rollout ---
+    batch_size: int = 16
+    """B: prompts per step."""
+    group_size: int = 8
+    """G: completions sampled per prompt (the group that advantages are normalised within)."""
+    max_new_tokens: int = 24
+    """Longest completion; a completion that reaches it without EOS counts as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the recompute divides logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+
+    # --- rewards ---
+    reward: tuple[str, ...] = ()
+    """Reward names (label, format, exact_match, answer_match, numeric_match, think_answer_format, iou)
+    or plug-ins 'module:function'. Default: answer_match for shapes; label and format for inspection."""
+    reward_weight: tuple[float, ...] = ()
+    """One weight per --reward (default 1.0 each)."""
+    gate: tuple[str, ...] = ()
+    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+    accuracy_reward: str | None = None
+    """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
+    the first --reward."""
+
+    # --- loss ---
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    """Aggregation of per-token losses (see grpo.aggregate)."""
+    beta: float = 0.04
+    """KL penalty weight (k3 estimator against the adapter-free reference). 0 skips the reference pass."""
+    clip_eps_low: float = 0.2
+    """PPO clip: ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: float = 0.28
+    """PPO clip: ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when > clip_eps_low)."""
+    num_iterations: int = 1
+    """mu: optimizer steps per rollout batch. > 1 stores old log-probs at rollout time."""
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
+    adv_clip: float | None = None
+    """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
+
+    # --- optimisation ---
+    steps: int = 100
+    """Number of training steps (rollout batches)."""
+    lr: float = 2e-3
+    """Peak learning rate of AdamW on the LoRA parameters (tiny model; use ~1e-5..5e-5 on real models)."""
+    warmup_steps: int = 5
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping of the LoRA gradients."""
+
+    # --- logging, evaluation, checkpoints ---
+    output_dir: str = "runs/grpo"
+    """Run folder: metrics.jsonl, checkpoint-*/, adapter/, curves.png."""
+    eval_every: int = 25
+    """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
+    save_every: int = 50
+    """Checkpoint every this many steps (and at the end)."""
+    keep_last: int = 2
+    """Keep only the newest this many checkpoints."""
+    resume: str | None = None
+    """Run folder or checkpoint folder to continue from."""
+    overwrite: bool = False
+    """Allow writing into an output dir that already holds a run (its files are replaced)."""
+    dry_run: bool = False
+    """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
+    seed: int = 0
+    """Seeds data order, sampling and LoRA initialisation."""
+
+
+DEFAULT_REWARDS = {"shapes": ("answer_match",), "inspection": ("label", "format")}
+
+
+# --------------------------------------------------------------------------------------------------
+# Setup
+
+
+def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
+    names = args.reward or DEFAULT_REWARDS.get(task, ())
+    if not names:
+        raise ValueError("--reward is required with --data (e.g. --reward label format)")
+    if args.reward_weight and len(args.reward_weight) != len(names):
+        raise ValueError(f"--reward-weight has {len(args.reward_weight)} values for {len(names)} rewards")
+    return rewards.parse_reward_specs(list(names), list(args.reward_weight) or None, list(args.gate) or None)
+
+
+def load_samples(args: Args) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples from --data/--eval-data or the built-in task."""
+    if args.data:
+        train = []
+        for path in args.data:
+            loaded = data.read_jsonl(path)
+            print(f"loaded {len(loaded)} samples from {path}")
+            train += loaded
+        held_out = data.read_jsonl(args.eval_data)[: args.eval_size] if args.eval_data else []
+    else:
+        train = data.make_task(args.task, args.train_size, seed=args.seed)
+        held_out = data.make_task(args.task, args.eval_size, split="test", seed=args.seed)
+    return train, held_out
+
+
+def batch_for_step(samples: list[dict], step: int, batch_size: int, seed: int) -> list[dict]:
+    """The B samples of a step: epochs of seeded permutations, a pure function of the step (resumable)."""
+    per_epoch = max(len(samples) // batch_size, 1)
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return [samples[i] for i in order[k * batch_size : (k + 1) * batch_size].tolist()]
+
+
+def suppressed_tokens(tokenizer) -> list[int]:
+    """Special tokens a completion must never contain: vision markers and chat control, except EOS."""
+    ids = set(tokenizer.all_special_ids) | {
+        tokenizer.convert_tokens_to_ids(t)
+        for t in (data.IMAGE_PAD, data.VISION_START, data.VISION_END, "<|video_pad|>")
+        if t in tokenizer.get_vocab()
+    }
+    ids.discard(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def cosine_with_warmup(
+    optimizer, *, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------------------------------
+# One step: rollout (no grad) and policy update (grad)
+
+
+@dataclass
+class Rollout:
+    """Everything sampled and scored for one batch of N = B*G rows."""
+
+    inputs: dict[str, torch.Tensor]  # N rows: input_ids (N, P), attention_mask, [pixel_values, ...]
+    completion_ids: torch.Tensor  # (N, T)
+    mask: torch.Tensor  # (N, T) bool, True up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool, no EOS within max_new_tokens
+    texts: list[str]
+    samples: list[dict]  # the sample of each row (repeated G times)
+    reward: torch.Tensor  # (N,)
+    components: dict[str, torch.Tensor]  # (N,) per reward, unweighted
+    adv: torch.Tensor  # (N,)
+    old_logp: torch.Tensor | None  # (N, T), only when num_iterations > 1
+    ref_logp: torch.Tensor | None  # (N, T), only when beta > 0
+
+
+@torch.no_grad()
+def rollout(
+    model, tokenizer, image_processor, prompts: list[dict], reward_fns, args: Args, device
+) -> Rollout:
+    G = args.group_size
+    batch = data.prepare_prompts(
+        prompts, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
+    )
+    inputs = data.repeat_rows(batch, G).inputs  # prompt b -> rows b*G .. b*G+G-1
+    model.eval()
+    completion_ids, _ = grpo.sample_completions(
+        model,
+        inputs,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=suppressed_tokens(tokenizer),
+    )
+    mask, truncated = grpo.completion_mask(completion_ids, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(
+        completion_ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
+    )
+    samples = [s for s in prompts for _ in range(G)]
+    scores = rewards.score(texts, samples, reward_fns, completion_lengths=mask.sum(1).tolist())
+    reward = torch.tensor(scores.total, dtype=torch.float32, device=device)
+    components = {
+        k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in scores.components.items()
+    }
+    adv = grpo.group_advantages(reward, G, scale=args.adv_scale, clip=args.adv_clip)
+    # Old log-probs are only needed when the same rollout is reused for mu > 1 optimizer steps;
+    # with mu = 1 the ratio's denominator is the (detached) recompute itself.
+    old_logp = None
+    if args.num_iterations > 1:
+        old_logp, _ = grpo.completion_logprobs(model, inputs, completion_ids, temperature=args.temperature)
+    ref_logp = None
+    if args.beta > 0:
+        with lora.adapters_disabled(model):  # the reference policy: same weights, no adapters
+            ref_logp, _ = grpo.completion_logprobs(
+                model, inputs, completion_ids, temperature=args.temperature
+            )
+    return Rollout(
+        inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, old_logp, ref_logp
+    )
+
+
+def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: float) -> dict[str, float]:
+    """num_iterations optimizer steps on one rollout; returns the last iteration's loss statistics."""
+    model.train()  # only LoRA dropout reacts to this; the base has no dropout
+    params = lora.lora_parameters(model)
+    for _ in range(args.num_iterations):
+        logp, entropy = grpo.completion_logprobs(
+            model, ro.inputs, ro.completion_ids, temperature=args.temperature, return_entropy=True
+        )  # (N, T), carries gradient into the LoRA parameters
+        old_logp = ro.old_logp if ro.old_logp is not None else logp.detach()
+        loss, stats = grpo.grpo_loss(
+            logp,
+            old_logp,
+            ro.ref_logp,
+            ro.adv,
+            ro.mask,
+            clip_eps_low=args.clip_eps_low,
+            clip_eps_high=args.clip_eps_high,
+            beta=beta,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_new_tokens,
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        optimizer.step()
+    scheduler.step()
+    model.eval()
+    stats.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
+    stats["entropy"] = (entropy * ro.mask).sum().item() / ro.mask.sum().item()
+    return stats
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation, logging, plots
+
+
+@torch.no_grad()
+def evaluate(
+    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args: Args, device
+) -> dict:
+    """Greedy decoding on held-out samples: accuracy (accuracy reward == 1) and mean total reward."""
+    model.eval()
+    totals, correct = [], []
+    for i in range(0, len(samples), 50):
+        chunk = samples[i : i + 50]
+        batch = data.prepare_prompts(
+            chunk, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
+        )
+        ids, _ = grpo.sample_completions(
+            model,
+            batch.inputs,
+            max_new_tokens=args.max_new_tokens,
+            temperature=0.0,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            suppress_token_ids=suppressed_tokens(tokenizer),
+        )
+        mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)
+        texts = tokenizer.batch_decode(
+            ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
+        )
+        scores = rewards.score(texts, chunk, reward_fns, completion_lengths=mask.sum(1).tolist())
+        totals += scores.total
+        correct += [v >= 1.0 for v in scores.components[accuracy_name]]
+    return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(totals) / len(totals)}
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One line per record, flushed and fsynced, so `tail -f` works and a crash loses at most one line."""
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+
+
+def progress(step: int, total: int, stats: dict, seconds: float) -> None:
+    done = int(30 * step / total)
+    line = (
+        f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}  reward {stats['reward/mean']:.3f}"
+        f"  kl {stats.get('kl', float('nan')):.4f}  {seconds:.0f}s"
+    )
+    print(line, end="", flush=True)
+
+
+def plot_curves(records: list[dict], path: Path) -> None:
+    """Reward, held-out accuracy and KL against step, drawn with PIL (no plotting dependency)."""
+    from PIL import Image, ImageDraw
+
+    panels = [
+        ("reward/mean", "train reward (mean)"),
+        ("eval/accuracy", "held-out accuracy (greedy)"),
+        ("kl", "KL to reference"),
+    ]
+    W, H, pad = 900, 260, 50
+    image = Image.new("RGB", (W, H * len(panels)), "white")
+    draw = ImageDraw.Draw(image)
+    for p, (key, title) in enumerate(panels):
+        pts = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+        top = p * H
+        draw.rectangle((pad, top + 30, W - 20, top + H - 30), outline="black")
+        if not pts:
+            draw.text((pad, top + 8), f"{title}: no data", fill="black")
+            continue
+        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+        y0, y1 = min(ys), max(ys)
+        if y1 - y0 < 1e-9:
+            y0, y1 = y0 - 0.5, y1 + 0.5
+
+        def to_pixel(x, y, x0=x0, x1=x1, y0=y0, y1=y1, top=top):
+            return pad + (x - x0) / (x1 - x0) * (W - 20 - pad), top + H - 30 - (y - y0) / (y1 - y0) * (H - 60)
+
+        draw.line([to_pixel(x, y) for x, y in pts], fill=(30, 90, 200), width=2)
+        for x, y in pts[-1:] + pts[:1]:
+            px, py = to_pixel(x, y)
+            draw.text((px + 3, py - 12), f"{y:.3g}", fill="black")
+        draw.text((pad, top + 8), f"{title}   [{y0:.3g}, {y1:.3g}]   steps {x0}..{x1}", fill="black")
+    image.save(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def main(args: Args) -> dict:
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    dtype = model_io.resolve_dtype(args.dtype, device)
+    out = Path(args.output_dir)
+    metrics_path = out / "metrics.jsonl"
+    if metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run):
+        raise SystemExit(f"{out} already holds a run; pass --resume {out} to continue it or --overwrite")
+    torch.manual_seed(args.seed)
+
+    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    train_samples, held_out = load_samples(args)
+    task = None if args.data else args.task
+    reward_fns = resolve_rewards(args, task)
+    accuracy_name = args.accuracy_reward or reward_fns[0].name
+    wrapped = lora.inject_lora(
+        model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
+    )
+    params = lora.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    n_trainable = sum(p.numel() for p in params)
+
+    if args.dry_run:
+        return dry_run(
+            model, tokenizer, image_processor, train_samples, reward_fns, args, device, wrapped, n_trainable
+        )
+
+    start_step, beta = 0, args.beta
+    if args.resume:
+        start_step = resume_from(args.resume, model, optimizer, scheduler, metrics_path)
+    elif args.overwrite and out.exists():
+        metrics_path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"model {args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
+        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; device {device}, {dtype}"
+    )
+
+    t_start = time.time()
+    if start_step == 0:
+        first = (
+            {
+                "step": 0,
+                **evaluate(
+                    model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
+                ),
+            }
+            if held_out
+            else {"step": 0}
+        )
+        append_jsonl(metrics_path, first)
+    for step in range(start_step + 1, args.steps + 1):
+        t0 = time.time()
+        prompts = batch_for_step(train_samples, step - 1, args.batch_size, args.seed)
+        ro = rollout(
+            model, tokenizer, image_processor, prompts, reward_fns, args, device
+        )  # sample + score + adv
+        t1 = time.time()
+        stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute + loss + step
+        correct = ro.components[accuracy_name] >= 1.0
+        record = {
+            "step": step,
+            **stats,
+            **grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size),
+        }
+        record.update(beta=beta, time_rollout=t1 - t0, time_update=time.time() - t1)
+        if held_out and (step % args.eval_every == 0 or step == args.steps):
+            record.update(
+                evaluate(model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device)
+            )
+        append_jsonl(metrics_path, record)
+        progress(step, args.steps, record, time.time() - t_start)
+        if step % args.save_every == 0 or step == args.steps:
+            save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, args)
+    print()
+    lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    plot_curves(records, out / "curves.png")
+    return summarise(records, out, time.time() - t_start)
+
+
+def save(directory: Path, model, optimizer, scheduler, step: int, args: Args) -> None:
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "args": dataclasses.asdict(args),
+    }
+    model_io.save_checkpoint(
+        directory,
+        write_adapter=lambda d: lora.save_adapter(model, d, base_model_name_or_path=args.model),
+        state=state,
+        keep_last=args.keep_last,
+    )
+
+
+def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> int:
+    """Load adapter, optimizer, scheduler and RNG states; drop metric lines logged after the checkpoint."""
+    checkpoint = Path(path)
+    if not (checkpoint / model_io.STATE_FILE).exists():
+        found = model_io.list_checkpoints(checkpoint)
+        if not found:
+            raise SystemExit(f"--resume {path}: no checkpoint-* folder found")
+        checkpoint = found[-1]
+    state = model_io.load_checkpoint(checkpoint)
+    lora.load_adapter(model, checkpoint)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    model_io.set_rng_state(state["rng"])
+    step = state["step"]
+    if metrics_path.exists():  # lines after the checkpoint would be logged again: drop them first
+        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step]
+        tmp = metrics_path.with_suffix(".tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        tmp.replace(metrics_path)
+    print(f"resumed from {checkpoint} at step {step}")
+    return step
+
+
+def dry_run(
+    model, tokenizer, image_processor, samples, reward_fns, args: Args, device, wrapped, n_trainable
+) -> dict:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
+    print(f"trainable parameters: {n_trainable:,} in {len(wrapped)} LoRA modules")
+    ro = rollout(
+        model,
+        tokenizer,
+        image_processor,
+        batch_for_step(samples, 0, args.batch_size, args.seed),
+        reward_fns,
+        args,
+        device,
+    )
+    logp, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
+    loss, stats = grpo.grpo_loss(
+        logp,
+        logp.detach(),
+        ro.ref_logp,
+        ro.adv,
+        ro.mask,
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+        beta=args.beta,
+        loss_type=args.loss_type,
+        max_completion_length=args.max_new_tokens,
+    )
+    for i, (text, r, a) in enumerate(zip(ro.texts, ro.reward.tolist(), ro.adv.tolist())):
+        print(f"row {i:3d}  reward {r:.2f}  adv {a:+.2f}  {text!r}")
+    print(f"loss {loss.item():.4f}  {stats}")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "dry run changed weights"
+    return {"loss": loss.item(), **stats}
+
+
+def summarise(records: list[dict], out: Path, seconds: float) -> dict:
+    evals = [r for r in records if "eval/accuracy" in r]
+    summary = {"steps": records[-1]["step"], "wall_time_s": round(seconds, 1)}
+    if evals:
+        summary.update(accuracy_start=evals[0]["eval/accuracy"], accuracy_end=evals[-1]["eval/accuracy"])
+    print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
+    sys.exit(0)
