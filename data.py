@@ -88,6 +88,14 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
         raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
     if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
         raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
+    summaries = sample.get("summaries")
+    if summaries is not None:
+        if not isinstance(summaries, list) or not summaries or not all(isinstance(t, str) for t in summaries):
+            raise ValueError(
+                f"{where}: field 'summaries' must be a non-empty list of strings (one per image)"
+            )
+        if sample.get("images"):
+            raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
@@ -120,10 +128,47 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
 # Chat text and tensors
 
 
+DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
+
+
+def render_summaries(sample: dict, template: str | None = None) -> str:
+    """The prompt text of a sample that carries per-image text `summaries` instead of images.
+
+    The summaries become numbered lines `图片_1: …`, `图片_2: …` and fill the `{summaries}` placeholder of
+    `template` (a file's text, e.g. assets/summaries_template.txt); `{prompt}` and `{num_images}` are also
+    available. An unknown placeholder raises naming it.
+    """
+    lines = "\n".join(f"图片_{i}: {text}" for i, text in enumerate(sample["summaries"], start=1))
+    fields = {"prompt": sample.get("prompt", ""), "summaries": lines, "num_images": len(sample["summaries"])}
+    try:
+        return (template or DEFAULT_SUMMARY_TEMPLATE).format_map(fields)
+    except KeyError as e:
+        raise ValueError(
+            f"{_where(sample)}: prompt template has an unknown placeholder {e}; known: {', '.join(fields)}"
+        ) from e
+
+
+def apply_prompt_template(samples: list[dict], template: str | None) -> list[dict]:
+    """Render the prompt of every sample that carries `summaries` (once, at load time), dropping them."""
+    out = []
+    for sample in samples:
+        if "summaries" in sample:
+            prompt = render_summaries(sample, template)
+            sample = {k: v for k, v in sample.items() if k != "summaries"} | {"prompt": prompt}
+        out.append(sample)
+    return out
+
+
 def sample_messages(sample: dict) -> list[dict]:
-    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt."""
+    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt.
+
+    A sample that still carries `summaries` (text descriptions instead of images) is rendered with the
+    default template; `apply_prompt_template` renders them with a user's template instead.
+    """
     if "messages" in sample:
         return sample["messages"]
+    if "summaries" in sample:
+        return [{"role": "user", "content": [{"type": "text", "text": render_summaries(sample)}]}]
     content = [{"type": "image"} for _ in sample.get("images", [])]
     content.append({"type": "text", "text": sample["prompt"]})
     return [{"role": "user", "content": content}]
@@ -254,7 +299,9 @@ SHAPES = ("circle", "square", "triangle")
 IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
 SHAPES_PROMPT = "what colour and shape is this?"
 INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
-TASKS = ("shapes", "inspection")
+SUMMARIES_PROMPT = "inspect the installation from the photo summaries. answer 通过 or 不通过, then 理由:."
+TASKS = ("shapes", "inspection")  # the image tasks the tiny model was warm-started on
+TEXT_TASKS = ("summaries",)  # per-image text summaries instead of images (no vision needed)
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
@@ -313,11 +360,26 @@ def _inspection_sample(rng: random.Random, index: int) -> dict:
     }
 
 
+def _summaries_sample(rng: random.Random, index: int) -> dict:
+    """The inspection task from text alone: each photo is replaced by a one-line summary of it.
+
+    This is the second stage of a "summaries first, verdict second" pipeline, where another model has
+    already described every photo; the same verdict rule and answer format apply.
+    """
+    sample = _inspection_sample(rng, index)
+    # A red defect mark is the only saturated red in a photo, so the summary is read off the pixels.
+    summaries = [
+        "面板有红色缺陷" if any(r > 200 and g < 80 for r, g, _ in image.getdata()) else "面板正常, 四个螺栓"
+        for image in sample.pop("images")
+    ]
+    return {**sample, "id": f"summaries-{index}", "summaries": summaries, "prompt": SUMMARIES_PROMPT}
+
+
 def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
     """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
-    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample}
+    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample, "summaries": _summaries_sample}
     if name not in makers:
-        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(TASKS)}")
+        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(makers)}")
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     # Disjoint streams per task and split: a held-out sample is never a training sample re-drawn.

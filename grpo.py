@@ -517,3 +517,25 @@ def rollout_metrics(
             if bool(rows.any()):
                 metrics[f"completion_length/{key}"] = lengths[rows].mean()
     return {key: float(value) for key, value in metrics.items()}
+
+
+# --- adaptive KL coefficient ---------------------------------------------------------------------------------
+
+
+def adapt_beta(beta: float, kl: float, *, kl_target_low: float, kl_target_high: float, factor: float) -> float:
+    """Keep the measured KL inside [kl_target_low, kl_target_high] by scaling beta after each step.
+
+    A band controller in the spirit of PPO's adaptive KL penalty (Schulman et al. 2017, section 4): KL above
+    the band multiplies beta by `factor` (pull the policy back towards the reference), KL below divides it
+    (let it move); inside the band beta is unchanged. NOTE: beta = 0 stays 0 (no reference pass at all), so
+    start from beta > 0 to use this; a non-finite KL leaves beta unchanged (the step is reported elsewhere).
+    """
+    if not kl_target_low < kl_target_high or factor <= 1.0:
+        raise ValueError("need kl_target_low < kl_target_high and factor > 1")
+    if not torch.isfinite(torch.tensor(kl)):
+        return beta
+    if kl > kl_target_high:
+        return beta * factor
+    if kl < kl_target_low:
+        return beta / factor
+    return beta

@@ -52,8 +52,12 @@ class Args:
     """Training JSONL file(s). Empty: the built-in task `--task`."""
     eval_data: str | None = None
     """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
-    task: Literal["shapes", "inspection"] = "inspection"
-    """Built-in synthetic task used when --data is empty."""
+    task: Literal["inspection", "shapes", "summaries"] = "inspection"
+    """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
+    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries)."""
+    prompt_template: str | None = None
+    """Text file with placeholders {prompt}, {summaries}, {num_images}: renders samples that carry per-image
+    `summaries` instead of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
     train_size: int = 2000
     """Number of built-in training samples."""
     eval_size: int = 200
@@ -108,6 +112,13 @@ class Args:
     """mu: optimizer steps per rollout batch. > 1 stores old log-probs at rollout time."""
     adv_scale: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
+    kl_target_low: float | None = None
+    """Adaptive KL: after each step, divide beta by --kl-adapt-factor when the measured KL is below this.
+    Off unless both --kl-target-low and --kl-target-high are given."""
+    kl_target_high: float | None = None
+    """Adaptive KL: multiply beta by --kl-adapt-factor when the measured KL is above this."""
+    kl_adapt_factor: float = 1.5
+    """Adaptive KL: the factor beta is multiplied or divided by."""
     adv_clip: float | None = None
     """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
 
@@ -141,7 +152,11 @@ class Args:
     """Seeds data order, sampling and LoRA initialisation."""
 
 
-DEFAULT_REWARDS = {"shapes": ("answer_match",), "inspection": ("label", "format")}
+DEFAULT_REWARDS = {
+    "shapes": ("answer_match",),
+    "inspection": ("label", "format"),
+    "summaries": ("label", "format"),
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +184,8 @@ def load_samples(args: Args) -> tuple[list[dict], list[dict]]:
     else:
         train = data.make_task(args.task, args.train_size, seed=args.seed)
         held_out = data.make_task(args.task, args.eval_size, split="test", seed=args.seed)
-    return train, held_out
+    template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
+    return data.apply_prompt_template(train, template), data.apply_prompt_template(held_out, template)
 
 
 def batch_for_step(samples: list[dict], step: int, batch_size: int, seed: int) -> list[dict]:
@@ -425,7 +441,7 @@ def main(args: Args) -> dict:
 
     start_step, beta = 0, args.beta
     if args.resume:
-        start_step = resume_from(args.resume, model, optimizer, scheduler, metrics_path)
+        start_step, beta = resume_from(args.resume, model, optimizer, scheduler, metrics_path)
     elif args.overwrite and out.exists():
         metrics_path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -462,6 +478,7 @@ def main(args: Args) -> dict:
             **grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size),
         }
         record.update(beta=beta, time_rollout=t1 - t0, time_update=time.time() - t1)
+        beta = next_beta(beta, stats, args)
         if held_out and (step % args.eval_every == 0 or step == args.steps):
             record.update(
                 evaluate(model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device)
@@ -469,7 +486,7 @@ def main(args: Args) -> dict:
         append_jsonl(metrics_path, record)
         progress(step, args.steps, record, time.time() - t_start)
         if step % args.save_every == 0 or step == args.steps:
-            save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, args)
+            save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
     print()
     lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
@@ -477,9 +494,23 @@ def main(args: Args) -> dict:
     return summarise(records, out, time.time() - t_start)
 
 
-def save(directory: Path, model, optimizer, scheduler, step: int, args: Args) -> None:
+def next_beta(beta: float, stats: dict[str, float], args: Args) -> float:
+    """The KL weight for the next step: adaptive (grpo.adapt_beta) when a KL band is given, else fixed."""
+    if args.kl_target_low is None or args.kl_target_high is None or "kl" not in stats:
+        return beta
+    return grpo.adapt_beta(
+        beta,
+        stats["kl"],
+        kl_target_low=args.kl_target_low,
+        kl_target_high=args.kl_target_high,
+        factor=args.kl_adapt_factor,
+    )
+
+
+def save(directory: Path, model, optimizer, scheduler, step: int, beta: float, args: Args) -> None:
     state = {
         "step": step,
+        "beta": beta,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "args": dataclasses.asdict(args),
@@ -492,7 +523,7 @@ def save(directory: Path, model, optimizer, scheduler, step: int, args: Args) ->
     )
 
 
-def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> int:
+def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> tuple[int, float]:
     """Load adapter, optimizer, scheduler and RNG states; drop metric lines logged after the checkpoint."""
     checkpoint = Path(path)
     if not (checkpoint / model_io.STATE_FILE).exists():
@@ -512,7 +543,7 @@ def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> i
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(metrics_path)
     print(f"resumed from {checkpoint} at step {step}")
-    return step
+    return step, state["beta"]
 
 
 def dry_run(

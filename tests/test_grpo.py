@@ -666,3 +666,17 @@ def test_grpo_imports_only_torch_and_the_standard_library():
     assert not any(isinstance(node, ast.ImportFrom) and node.level > 0 for node in ast.walk(tree))
     roots = {m.split(".")[0] for m in modules}
     assert roots - {"torch", "__future__"} <= set(sys.stdlib_module_names), roots
+
+
+def test_adaptive_beta_rises_above_the_band_falls_below_it_and_holds_inside():
+    band = dict(kl_target_low=0.01, kl_target_high=0.1, factor=2.0)
+    beta, trace = 0.04, []
+    for kl in [0.5, 0.5, 0.05, 0.001, 0.001, float("nan")]:  # a synthetic KL sequence
+        beta = grpo.adapt_beta(beta, kl, **band)
+        trace.append(beta)
+    assert trace == pytest.approx([0.08, 0.16, 0.16, 0.08, 0.04, 0.04])
+
+
+def test_adaptive_beta_rejects_an_empty_band():
+    with pytest.raises(ValueError):
+        grpo.adapt_beta(0.04, 0.05, kl_target_low=0.1, kl_target_high=0.1, factor=2.0)
