@@ -202,16 +202,8 @@ def prepare_prompts(
     """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
     texts, images, images_per_row = [], [], []
     for sample in samples:
-        text = tokenizer.apply_chat_template(
-            sample_messages(sample), tokenize=False, add_generation_prompt=True
-        )
         sample_images = [load_image(im, sample) for im in sample.get("images", [])]
-        if text.count(IMAGE_PAD) != len(sample_images):
-            raise ValueError(
-                f"{_where(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
-                f"sample has {len(sample_images)} images"
-            )
-        texts.append(text)
+        texts.append(_chat_text(sample, tokenizer, len(sample_images)))
         images.extend(sample_images)
         images_per_row.append(len(sample_images))
 
@@ -230,12 +222,7 @@ def prepare_prompts(
 
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     for sample, row in zip(samples, ids):
-        if max_prompt_length is not None and len(row) > max_prompt_length:
-            raise ValueError(
-                f"{_where(sample)}: prompt is {len(row)} tokens (images included) but max_prompt_length is "
-                f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
-                f"cut through the image tokens would no longer match pixel_values)"
-            )
+        _check_prompt_length(sample, len(row), max_prompt_length)
     P = max(len(row) for row in ids)
     # NOTE: left padding, so that generated tokens of every row start at column P.
     input_ids = torch.full((len(ids), P), tokenizer.pad_token_id, dtype=torch.long)
@@ -252,6 +239,47 @@ def prepare_prompts(
             device
         )
     return PromptBatch(inputs=inputs, images_per_row=images_per_row)
+
+
+def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
+    """The chat-templated prompt with one `<|image_pad|>` per image (expanded later to the visual tokens)."""
+    text = tokenizer.apply_chat_template(sample_messages(sample), tokenize=False, add_generation_prompt=True)
+    if text.count(IMAGE_PAD) != num_images:
+        raise ValueError(
+            f"{_where(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
+            f"sample has {num_images} images"
+        )
+    return text
+
+
+def _check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
+    if max_prompt_length is not None and length > max_prompt_length:
+        raise ValueError(
+            f"{_where(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
+            f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
+            f"cut through the image tokens would no longer match pixel_values)"
+        )
+
+
+def check_samples(samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None) -> None:
+    """Fail fast, before any model work: decode every image once and bound every prompt's length.
+
+    The visual-token count of an image comes from its size alone (`get_number_of_image_patches`, the
+    image processor's own resize rule: images above its max_pixels are resized down, never rejected), so
+    this costs one image decode per image and one tokenization per prompt, no pixel processing.
+    """
+    for sample in samples:
+        sizes = [load_image(im, sample).size for im in sample.get("images", [])]  # corrupt files fail here
+        if sizes and image_processor is None:
+            raise ValueError(
+                f"{_where(sample)}: this model has no image processor (text-only) but got images"
+            )
+        text = _chat_text(sample, tokenizer, len(sizes))
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each
+        for width, height in sizes:
+            patches = image_processor.get_number_of_image_patches(height, width, {})
+            length += patches // image_processor.merge_size**2
+        _check_prompt_length(sample, length, max_prompt_length)
 
 
 def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_image: list[int]) -> list[str]:
