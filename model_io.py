@@ -49,8 +49,13 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
     """Return (model, tokenizer, image_processor or None), the model frozen and in eval mode."""
     # A hub id is 'org/name'; anything else that does not exist is a mistyped local path.
     is_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
-    if not Path(name_or_path).expanduser().exists() and not is_hub_id:
+    local = Path(name_or_path).expanduser()
+    if not local.exists() and not is_hub_id:
         raise FileNotFoundError(f"model path {name_or_path} does not exist")
+    # NOTE: without this check transformers says "Should have a `model_type` key in its config.json",
+    # as if a config.json existed.
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise ValueError(f"cannot load a model config from {name_or_path!r}: the folder has no config.json")
     try:
         config = AutoConfig.from_pretrained(name_or_path)
     except OSError as e:  # not a folder with config.json, and not reachable on the hub
@@ -111,6 +116,8 @@ def save_checkpoint(
     `write_adapter(folder)` writes the adapter files; `state` (optimizer, scheduler, step, ...) is saved
     with the RNG states as `trainer_state.pt`. The folder appears under its final name only once complete.
     """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
@@ -132,9 +139,10 @@ def save_checkpoint(
 
 
 def _fsync_tree(folder: Path) -> None:
-    for f in folder.iterdir():
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
+    for f in folder.rglob("*"):
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:

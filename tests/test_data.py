@@ -1,0 +1,382 @@
+"""data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation, built-in tasks.
+
+The tensors are checked against independent references: `repeat_rows` against preparing the repeated list of
+samples, placeholder runs against the grid arithmetic written out by hand, and the images' effect on the model
+through `grpo.completion_logprobs` on the embedded tiny Qwen2.5-VL.
+"""
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import data
+import grpo
+import model_io
+import rewards
+
+ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
+INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+G = 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer, image_processor) of the embedded asset, loaded once for the module."""
+    return model_io.load_model(str(ASSET), device="cpu", dtype=torch.float32)
+
+
+def solid(width: int, height: int, colour: tuple[int, int, int]) -> Image.Image:
+    return Image.new("RGB", (width, height), colour)
+
+
+def multi_image_samples(n: int) -> list[dict]:
+    """`n` inspection samples with 2+ images, of which at least two differ (so swapping them matters)."""
+    found = []
+    for s in data.make_task("inspection", 200, seed=0):
+        distinct = {im.tobytes() for im in s["images"]}
+        if len(s["images"]) >= 2 and len(distinct) >= 2:
+            found.append(s)
+        if len(found) == n:
+            return found
+    raise AssertionError("not enough multi-image inspection samples with distinct photos")
+
+
+def fixed_completion(tokenizer, rows: int) -> torch.Tensor:
+    ids = tokenizer("通过\n理由: 无缺陷", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return torch.tensor([ids] * rows)  # (N, T)
+
+
+def logprobs(model, batch: data.PromptBatch, completion: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, batch.inputs, completion, temperature=1.0)
+    return logp  # (N, T)
+
+
+def assert_same_inputs(a: data.PromptBatch, b: data.PromptBatch) -> None:
+    assert set(a.inputs) == set(b.inputs)
+    for key in a.inputs:
+        assert torch.equal(a.inputs[key], b.inputs[key]), key
+    assert a.images_per_row == b.images_per_row
+
+
+# --- row expansion ---------------------------------------------------------------------------------------------
+
+
+def test_swapping_images_of_one_sample_changes_exactly_its_group_rows(tiny):
+    model, tok, ip = tiny
+    samples = multi_image_samples(3)
+    completion = fixed_completion(tok, len(samples) * G)
+    before = logprobs(
+        model, data.repeat_rows(data.prepare_prompts(samples, tok, ip, device="cpu"), G), completion
+    )
+
+    target = 1
+    images = list(samples[target]["images"])
+    i, j = next(
+        (i, j)
+        for i in range(len(images))
+        for j in range(i + 1, len(images))
+        if images[i].tobytes() != images[j].tobytes()
+    )
+    images[i], images[j] = images[j], images[i]
+    swapped = [dict(s) for s in samples]
+    swapped[target]["images"] = images
+    after = logprobs(
+        model, data.repeat_rows(data.prepare_prompts(swapped, tok, ip, device="cpu"), G), completion
+    )
+
+    for row in range(len(samples) * G):
+        if row // G == target:
+            assert (before[row] - after[row]).abs().max() > 1e-6, f"row {row} did not see its own images"
+        else:
+            assert torch.equal(before[row], after[row]), f"row {row} changed with another sample's images"
+
+
+def test_repeat_rows_equals_preparing_each_sample_repeated(tiny):
+    _, tok, ip = tiny
+    samples = multi_image_samples(3)
+    expanded = data.repeat_rows(data.prepare_prompts(samples, tok, ip, device="cpu"), G)
+    reference = data.prepare_prompts([s for s in samples for _ in range(G)], tok, ip, device="cpu")
+    assert set(expanded.inputs) == set(INPUT_KEYS)
+    assert_same_inputs(expanded, reference)
+
+
+def test_repeat_rows_of_a_mixed_text_and_image_batch_equals_the_repeated_list(tiny):
+    _, tok, ip = tiny
+    samples = [
+        {"id": "text", "prompt": "what colour and shape is this?"},
+        {"id": "img", "images": [solid(56, 56, (200, 0, 0)), solid(112, 84, (0, 0, 200))], "prompt": "why?"},
+        {"id": "one", "images": [solid(84, 112, (0, 200, 0))], "prompt": "what colour and shape is this?"},
+    ]
+    expanded = data.repeat_rows(data.prepare_prompts(samples, tok, ip, device="cpu"), G)
+    reference = data.prepare_prompts([s for s in samples for _ in range(G)], tok, ip, device="cpu")
+    assert_same_inputs(expanded, reference)
+    assert expanded.images_per_row == [0] * G + [2] * G + [1] * G
+
+
+# --- placeholders, padding, text-only ---------------------------------------------------------------------------
+
+
+def test_image_pad_runs_match_each_images_grid_and_padding_is_on_the_left(tiny):
+    _, tok, ip = tiny
+    assert ip.merge_size == 2 and ip.patch_size == 14
+    # Sizes are multiples of 28 inside [min_pixels, max_pixels], so the processor does not resize: the grid is
+    # (1, h/14, w/14) and each image gets h*w / (14*14*4) visual tokens. PIL sizes are (width, height).
+    small, wide = solid(56, 56, (250, 0, 0)), solid(112, 84, (0, 0, 250))
+    expected_grids = [[(1, 4, 4), (1, 6, 8)], [(1, 6, 8)], [(1, 4, 4)]]
+    expected_tokens = [[4, 12], [12], [4]]
+    samples = [
+        {"id": "two", "images": [small, wide], "prompt": "inspect the installation."},
+        {
+            "id": "wide",
+            "images": [wide],
+            "prompt": "what colour and shape is this? inspect the installation.",
+        },
+        {"id": "small", "images": [small], "prompt": "x"},
+    ]
+    batch = data.prepare_prompts(samples, tok, ip, device="cpu")
+    ids, mask, types = (batch.inputs[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids"))
+    grid = batch.inputs["image_grid_thw"]
+    assert grid.tolist() == [list(g) for row in expected_grids for g in row]
+    assert batch.inputs["pixel_values"].shape[0] == int(grid.prod(-1).sum())  # one line per 14x14 patch
+    assert batch.images_per_row == [2, 1, 1]
+
+    pad, start, end = (
+        tok.convert_tokens_to_ids(t) for t in (data.IMAGE_PAD, data.VISION_START, data.VISION_END)
+    )
+    row_grids = grid.split(batch.images_per_row)
+    for r in range(len(samples)):
+        assert int((ids[r] == pad).sum()) == int(row_grids[r].prod(-1).sum()) // ip.merge_size**2
+        # Every image is <|vision_start|>, its own run of pads, <|vision_end|>, in image order.
+        real = ids[r][mask[r].bool()].tolist()
+        starts = [k for k, t in enumerate(real) if t == start]
+        ends = [k for k, t in enumerate(real) if t == end]
+        assert [e - s - 1 for s, e in zip(starts, ends)] == expected_tokens[r]
+        assert all(real[k] == pad for s, e in zip(starts, ends) for k in range(s + 1, e))
+    assert torch.equal(types, (ids == pad).long())  # 1 exactly on image pads (never on padding)
+
+    lengths = mask.sum(1)
+    assert len(set(lengths.tolist())) == 3  # the rows really have different lengths
+    for r, n in enumerate(lengths.tolist()):
+        P = ids.shape[1]
+        assert mask[r].tolist() == [0] * (P - n) + [1] * n  # zeros only on the left
+        assert (ids[r, : P - n] == tok.pad_token_id).all()
+
+
+def test_text_only_samples_have_no_image_inputs_and_match_the_chat_template(tiny):
+    _, tok, ip = tiny
+    samples = [{"id": "a", "prompt": "hello"}, {"id": "b", "prompt": "inspect the installation. answer 通过"}]
+    for processor in (ip, None):  # a text-only model has no image processor
+        batch = data.prepare_prompts(samples, tok, processor, device="cpu")
+        assert set(batch.inputs) == {"input_ids", "attention_mask"}
+        assert batch.images_per_row == [0, 0]
+        for r, s in enumerate(samples):
+            text = tok.apply_chat_template(
+                data.sample_messages(s), tokenize=False, add_generation_prompt=True
+            )
+            want = tok(text, add_special_tokens=False)["input_ids"]
+            row = batch.inputs["input_ids"][r][batch.inputs["attention_mask"][r].bool()]
+            assert row.tolist() == want
+        assert set(data.repeat_rows(batch, G).inputs) == {"input_ids", "attention_mask"}
+
+
+def test_mixed_text_only_and_image_rows_run_through_the_model(tiny):
+    model, tok, ip = tiny
+    samples = [{"id": "t", "prompt": "what colour and shape is this?"}, data.make_task("shapes", 1)[0]]
+    batch = data.repeat_rows(data.prepare_prompts(samples, tok, ip, device="cpu"), G)
+    assert batch.images_per_row == [0] * G + [1] * G
+    assert not batch.inputs["mm_token_type_ids"][:G].any()
+    logp = logprobs(model, batch, fixed_completion(tok, 2 * G))
+    assert torch.isfinite(logp).all()
+    # The text-only row must not be affected by the image row sharing its batch.
+    alone = logprobs(
+        model, data.prepare_prompts(samples[:1], tok, ip, device="cpu"), fixed_completion(tok, 1)
+    )
+    torch.testing.assert_close(logp[0], alone[0], atol=1e-5, rtol=0)
+
+
+def test_chat_template_puts_vision_markers_before_the_prompt_and_messages_form_matches(tiny):
+    _, tok, ip = tiny
+    images = [solid(56, 56, (1, 2, 3)), solid(56, 56, (4, 5, 6))]
+    prompt_form = {"id": "p", "images": images, "prompt": "inspect the installation."}
+    text = tok.apply_chat_template(
+        data.sample_messages(prompt_form), tokenize=False, add_generation_prompt=True
+    )
+    image_part = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert (
+        text
+        == f"<|im_start|>user\n{image_part * 2}inspect the installation.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+    messages_form = {
+        "id": "m",
+        "images": images,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "image"},
+                    {"type": "text", "text": "inspect the installation."},
+                ],
+            }
+        ],
+    }
+    assert_same_inputs(
+        data.prepare_prompts([prompt_form], tok, ip, device="cpu"),
+        data.prepare_prompts([messages_form], tok, ip, device="cpu"),
+    )
+
+
+def test_more_images_than_placeholders_in_messages_raises(tiny):
+    _, tok, ip = tiny
+    sample = {
+        "id": "m",
+        "images": [solid(56, 56, (0, 0, 0))],
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with pytest.raises(ValueError, match="sample m.*0 image placeholders.*1 images"):
+        data.prepare_prompts([sample], tok, ip, device="cpu")
+
+
+def test_prompt_longer_than_max_prompt_length_raises_naming_the_sample(tiny):
+    _, tok, ip = tiny
+    sample = {
+        "id": "long-7",
+        "images": [solid(112, 112, (9, 9, 9))],
+        "prompt": "inspect the installation. " * 5,
+    }
+    P = data.prepare_prompts([sample], tok, ip, device="cpu").prompt_length
+    exact = data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P)
+    assert exact.prompt_length == P  # at the limit: kept whole
+    with pytest.raises(
+        ValueError, match=rf"sample long-7: prompt is {P} tokens.*max_prompt_length is {P - 1}"
+    ):
+        data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P - 1)
+
+
+# --- JSONL ---------------------------------------------------------------------------------------------------
+
+
+def write_png(path: Path, colour=(10, 20, 30)) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    solid(56, 56, colour).save(path)
+    return path
+
+
+GOOD = json.dumps({"id": "ok", "prompt": "fine"})
+
+
+@pytest.mark.parametrize(
+    ("lines", "line", "message"),
+    [
+        (["", "", "{not json"], 3, "invalid JSON"),
+        ([GOOD, "[1, 2]"], 2, "must be a JSON object, got list"),
+        ([GOOD, "", json.dumps({"id": "x", "images": []})], 3, "exactly one of 'prompt'"),
+        ([json.dumps({"prompt": "a", "messages": [{"role": "user", "content": "a"}]})], 1, "exactly one of"),
+        ([json.dumps({"prompt": "   "})], 1, "'prompt' must be a non-empty string"),
+        ([GOOD, json.dumps({"prompt": "a", "images": "img.png"})], 2, "'images' must be a list"),
+        ([json.dumps({"prompt": "a", "images": ["missing.png"]})], 1, "image 'missing.png' not found"),
+    ],
+    ids=[
+        "invalid-json-after-blank-lines",
+        "not-an-object",
+        "no-prompt",
+        "both",
+        "blank-prompt",
+        "images-str",
+        "missing",
+    ],
+)
+def test_malformed_jsonl_line_raises_naming_file_and_line(tmp_path, lines, line, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:{line}: .*{message}"):
+        data.read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"", "is an empty file"), (random.Random(0).randbytes(300), "cannot be decoded")],
+    ids=["zero-bytes", "random-bytes"],
+)
+def test_unreadable_image_raises_naming_file_and_line(tiny, tmp_path, content, message):
+    _, tok, ip = tiny
+    write_png(tmp_path / "good.png")
+    (tmp_path / "bad.png").write_bytes(content)
+    path = tmp_path / "data.jsonl"
+    rows = [
+        {"id": "a", "images": ["good.png"], "prompt": "a"},
+        {"id": "b", "images": ["bad.png"], "prompt": "b"},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    samples = data.read_jsonl(path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: image .*bad\.png {message}"):
+        data.prepare_prompts(samples, tok, ip, device="cpu")
+
+
+def test_empty_or_missing_dataset_raises_naming_the_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: dataset is empty"):
+        data.read_jsonl(path)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        data.read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_relative_image_paths_resolve_against_the_jsonl_folder(tiny, tmp_path, monkeypatch):
+    _, tok, ip = tiny
+    folder = tmp_path / "dataset"
+    rel = write_png(folder / "img" / "a.png", (200, 10, 10))
+    absolute = write_png(tmp_path / "elsewhere" / "b.png", (10, 10, 200))
+    rows = [
+        {
+            "id": "a",
+            "images": ["img/a.png", str(absolute)],
+            "prompt": "inspect the installation.",
+            "label": "通过",
+        }
+    ]
+    (folder / "data.jsonl").write_text(json.dumps(rows[0], ensure_ascii=False) + "\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # the working directory must not matter
+    (sample,) = data.read_jsonl(Path("dataset") / "data.jsonl")
+    assert sample["images"] == [str(rel.resolve()), str(absolute.resolve())]
+    assert sample["label"] == "通过"  # other fields pass through untouched
+    from_file = data.prepare_prompts([sample], tok, ip, device="cpu")
+    in_memory = {
+        "id": "a",
+        "images": [Image.open(rel), Image.open(absolute)],
+        "prompt": "inspect the installation.",
+    }
+    assert_same_inputs(from_file, data.prepare_prompts([in_memory], tok, ip, device="cpu"))
+
+
+# --- built-in tasks ------------------------------------------------------------------------------------------
+
+
+def fingerprint(samples: list[dict]) -> list[tuple]:
+    return [(s["id"], s["prompt"], s["answer"], tuple(im.tobytes() for im in s["images"])) for s in samples]
+
+
+@pytest.mark.parametrize("task", data.TASKS)
+def test_builtin_tasks_are_deterministic_per_seed_and_splits_differ(task):
+    train = fingerprint(data.make_task(task, 30, seed=5))
+    assert train == fingerprint(data.make_task(task, 30, seed=5))
+    assert train != fingerprint(data.make_task(task, 30, seed=6))
+    test = fingerprint(data.make_task(task, 30, split="test", seed=5))
+    assert [t[2:] for t in train] != [t[2:] for t in test]  # ids repeat, contents must not
+
+
+def test_inspection_labels_are_balanced_and_reference_answers_are_well_formed():
+    samples = data.make_task("inspection", 400, seed=0)
+    passed = sum(s["label"] == "通过" for s in samples) / len(samples)
+    assert 0.35 <= passed <= 0.65
+    assert {len(s["images"]) for s in samples} == {1, 2, 3, 4}
+    for s in samples:
+        assert rewards.format_reward(s["answer"], s) == 1.0, s["answer"]
+        assert rewards.label_reward(s["answer"], s) == 1.0, s["answer"]

@@ -1,0 +1,309 @@
+"""model_io.py: the embedded tiny VLM loads offline like a real checkpoint, a LoRA-merged export reloads
+identically, checkpoints are atomic and restore RNG exactly; plus the project-wide import-direction guard."""
+
+import ast
+import copy
+import random
+import socket
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants
+import numpy as np
+import pytest
+import torch
+from conftest import make_random_causal_lm
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
+
+import data
+import grpo
+import lora
+import model_io
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET = ROOT / "assets" / "tiny-qwen2.5-vl"
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+def _no_network(*args, **kwargs):
+    raise AssertionError("the embedded asset must load without any network access")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer, image_processor) of the asset, loaded once, offline, with sockets disabled."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import, so patch it too
+        mp.setattr(socket.socket, "connect", _no_network)
+        return model_io.load_model(str(ASSET), device="cpu", dtype=torch.float32)
+
+
+def image_prompt(tok, ip, sample: dict | None = None) -> dict[str, torch.Tensor]:
+    sample = sample or data.make_task("shapes", 1, seed=0)[0]
+    return data.prepare_prompts([sample], tok, ip, device="cpu").inputs
+
+
+def greedy(model, tok, inputs: dict[str, torch.Tensor], n: int = 6) -> torch.Tensor:
+    ids, _ = grpo.sample_completions(
+        model,
+        inputs,
+        max_new_tokens=n,
+        temperature=0.0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return ids  # (N, T)
+
+
+def full_logits(model, inputs: dict[str, torch.Tensor], completion: torch.Tensor) -> torch.Tensor:
+    """Logits (N, P + T, V) of prompt + completion in one forward pass, no KV cache."""
+    ones = torch.ones_like(completion)
+    extra = {k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs}
+    if "mm_token_type_ids" in inputs:
+        extra["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(completion)], 1)
+    with torch.no_grad():
+        return model(
+            input_ids=torch.cat([inputs["input_ids"], completion], 1),
+            attention_mask=torch.cat([inputs["attention_mask"], ones], 1),
+            use_cache=False,
+            **extra,
+        ).logits
+
+
+# --- the embedded asset ----------------------------------------------------------------------------------------
+
+
+def test_tiny_asset_loads_offline_as_a_frozen_qwen2_5_vl(tiny):
+    model, tok, ip = tiny
+    assert type(model) is Qwen2_5_VLForConditionalGeneration
+    assert ip is not None and ip.merge_size == 2
+    assert sum(f.stat().st_size for f in ASSET.iterdir()) < 8 * 2**20
+    assert 300_000 <= sum(p.numel() for p in model.parameters()) <= 3_000_000
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not model.training
+    assert (
+        tok.padding_side == "left" and tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    )
+
+
+def test_tokenizer_has_chat_and_vision_tokens_and_round_trips_the_verdict_words(tiny):
+    _, tok, _ = tiny
+    for token in SPECIAL_TOKENS:
+        ids = tok(token, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and ids[0] == tok.convert_tokens_to_ids(token), token
+        assert tok.decode(ids) == token
+    assert tok.eos_token == "<|im_end|>"
+    for text in ("通过", "不通过", "理由", "不通过\n理由: 图片2有缺陷"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == text
+
+
+def test_tiny_model_greedy_generation_from_an_image_prompt_is_the_argmax_of_a_full_forward(tiny):
+    model, tok, ip = tiny
+    inputs = image_prompt(tok, ip)
+    completion = greedy(model, tok, inputs, n=4)
+    assert 1 <= completion.shape[1] <= 4
+    P = inputs["input_ids"].shape[1]
+    # Independent reference: one forward over prompt + completion without the KV cache; position j predicts j+1.
+    argmax = full_logits(model, inputs, completion)[:, P - 1 : -1].argmax(-1)  # (1, T)
+    mask, _ = grpo.completion_mask(completion, tok.eos_token_id)
+    assert torch.equal(argmax[mask], completion[mask])
+
+
+def test_a_different_image_changes_the_completion_logprobs(tiny):
+    model, tok, ip = tiny
+    a, b = data.make_task("shapes", 2, seed=1)
+    assert a["prompt"] == b["prompt"] and a["images"][0].tobytes() != b["images"][0].tobytes()
+    batch = data.prepare_prompts([a, b, dict(a)], tok, ip, device="cpu")
+    assert torch.equal(batch.inputs["input_ids"][0], batch.inputs["input_ids"][1])  # same text, same length
+    completion = torch.tensor(
+        [tok("red circle", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 3
+    )
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, batch.inputs, completion, temperature=1.0)
+    assert (logp[0] - logp[1]).abs().max() > 1e-3  # the pixels reach the language model
+    torch.testing.assert_close(logp[0], logp[2], atol=1e-5, rtol=0)  # and the same image gives the same logp
+
+
+def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_same_tokens(tiny, tmp_path):
+    base, tok, ip = tiny
+    model = copy.deepcopy(base)
+    lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    inputs = image_prompt(tok, ip)
+    tokens = greedy(model, tok, inputs, n=8)
+    logits = full_logits(model, inputs, tokens)
+    assert not torch.allclose(logits, full_logits(base, inputs, tokens), atol=1e-3)  # the adapter matters
+
+    lora.unload_lora(model)
+    model_io.save_model(model, tok, ip, tmp_path / "merged")
+    reloaded, tok2, ip2 = model_io.load_model(str(tmp_path / "merged"), device="cpu", dtype=torch.float32)
+    assert type(reloaded) is Qwen2_5_VLForConditionalGeneration and ip2 is not None
+    assert not any("lora" in k or "base_layer" in k for k in reloaded.state_dict())
+    assert torch.equal(greedy(reloaded, tok2, inputs, n=8), tokens)
+    torch.testing.assert_close(full_logits(reloaded, inputs, tokens), logits, atol=1e-5, rtol=0)
+
+
+# --- checkpoints -------------------------------------------------------------------------------------------------
+
+
+def write_adapter_file(folder: Path) -> None:
+    (folder / "adapter_model.safetensors").write_bytes(b"weights")
+
+
+def save(run: Path, step: int, keep_last: int | None = None, write_adapter=write_adapter_file) -> Path:
+    return model_io.save_checkpoint(
+        run / f"checkpoint-{step}", write_adapter=write_adapter, state={"step": step}, keep_last=keep_last
+    )
+
+
+def draws() -> tuple:
+    return torch.rand(4).tolist(), random.random(), np.random.rand(3).tolist()
+
+
+def test_checkpoint_round_trips_step_optimizer_state_and_rng(tmp_path):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    folder = model_io.save_checkpoint(
+        tmp_path / "checkpoint-000007",
+        write_adapter=write_adapter_file,
+        state={"step": 7, "optimizer": opt.state_dict()},
+        keep_last=None,
+    )
+    after_save = draws()
+    state = model_io.load_checkpoint(folder)
+    assert state["step"] == 7
+    assert (folder / "adapter_model.safetensors").read_bytes() == b"weights"
+    fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
+    fresh.load_state_dict(state["optimizer"])
+    for key, value in opt.state_dict()["state"][0].items():
+        assert torch.equal(fresh.state_dict()["state"][0][key], value), key
+    model_io.set_rng_state(state["rng"])
+    assert draws() == after_save
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000007"]  # no temporary folder left
+
+
+def test_set_rng_state_restores_torch_python_and_numpy_streams_exactly():
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    draws()
+    saved = model_io.rng_state()
+    first = draws()
+    draws()
+    model_io.set_rng_state(saved)
+    assert draws() == first
+
+
+def test_keep_last_prunes_older_checkpoints_in_numeric_order(tmp_path):
+    for step in (8, 9, 10, 11):  # 'checkpoint-10' < 'checkpoint-9' as strings: the order must be numeric
+        save(tmp_path, step, keep_last=2)
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-11"]
+
+
+def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):
+    save(tmp_path, 1)
+    leftover = tmp_path / "checkpoint-2.tmp"
+    leftover.mkdir()
+    (leftover / "half_written.bin").write_bytes(b"partial")
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    folder = save(tmp_path, 2)
+    assert not leftover.exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_model.safetensors", model_io.STATE_FILE]
+    assert model_io.load_checkpoint(folder)["step"] == 2
+
+
+def test_failing_write_adapter_leaves_the_previous_checkpoint_intact_and_no_final_folder(tmp_path):
+    def crash(folder: Path) -> None:
+        (folder / "adapter_model.safetensors").write_bytes(b"half")
+        raise RuntimeError("disk full")
+
+    save(tmp_path, 1, keep_last=1)
+    with pytest.raises(RuntimeError, match="disk full"):
+        save(tmp_path, 2, keep_last=1, write_adapter=crash)
+    assert not (tmp_path / "checkpoint-2").exists()
+    with pytest.raises(RuntimeError, match="disk full"):  # re-saving the same step must not lose it either
+        save(tmp_path, 1, keep_last=1, write_adapter=crash)
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert model_io.load_checkpoint(tmp_path / "checkpoint-1")["step"] == 1
+
+
+def test_load_checkpoint_of_a_folder_without_state_raises_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        model_io.load_checkpoint(tmp_path)
+
+
+# --- load_model errors and text-only models ---------------------------------------------------------------------
+
+
+def test_load_model_on_a_missing_path_raises_file_not_found_naming_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        model_io.load_model(str(missing), device="cpu", dtype=torch.float32)
+
+
+def test_load_model_on_a_folder_without_config_raises_a_clear_error(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"cannot load a model config from .*config\.json"):
+        model_io.load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+
+
+def test_text_only_causal_lm_loads_through_auto_model_for_causal_lm_without_image_processor(tmp_path):
+    original = make_random_causal_lm()
+    original.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(str(ASSET)).save_pretrained(tmp_path)
+    model, tok, ip = model_io.load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert type(model) is Qwen2ForCausalLM and ip is None
+    assert not any(p.requires_grad for p in model.parameters()) and not model.training
+    assert tok.pad_token_id is not None and tok.padding_side == "left"
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, original(input_ids=ids).logits, atol=0, rtol=0
+        )
+
+
+# --- import direction (STYLE rule 1) -------------------------------------------------------------------------
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports (anywhere in the file); relative imports as '.'."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else node.module.split(".")[0])
+    return names
+
+
+def test_project_modules_import_in_one_direction():
+    project = {p.stem for p in ROOT.glob("*.py")}
+    assert {"data", "grpo", "lora", "model_io", "rewards", "train"} <= project
+    stdlib = set(sys.stdlib_module_names)
+    # Third-party packages each leaf module may use besides the standard library (None: not restricted).
+    allowed = {
+        "lora": {"torch", "safetensors"},
+        "grpo": {"torch"},
+        "rewards": set(),
+        "data": None,
+        "model_io": None,
+    }
+    for name in sorted(project - {"train"}):
+        imports = imported_modules(ROOT / f"{name}.py")
+        assert "." not in imports, f"{name}.py uses a relative import"
+        assert not imports & project, f"{name}.py imports project modules {sorted(imports & project)}"
+        if allowed.get(name) is not None:
+            extra = imports - stdlib - allowed[name]
+            assert not extra, f"{name}.py imports {sorted(extra)} (allowed: stdlib + {sorted(allowed[name])})"
