@@ -1,0 +1,372 @@
+"""Evaluate a model (base, or base + a LoRA adapter) on JSONL files or a built-in task: batch inference.
+
+    python scripts/evaluate.py --task inspection --eval-size 50 --output runs/eval/base.jsonl
+    python scripts/evaluate.py --adapter runs/grpo/adapter --output runs/eval/adapter.jsonl
+    python scripts/evaluate.py --adapter runs/grpo/adapter --compare --output runs/eval/cmp.jsonl
+    python scripts/evaluate.py --num-samples 4 --temperature 1.0 --output runs/eval/pass4.jsonl   # pass@4
+    python scripts/evaluate.py --data a.jsonl b.jsonl --reward label format --batch-size 32 --output out.jsonl
+    tail -f runs/eval/base.jsonl                      # one line per sample, as soon as it is done
+
+Each output line is one sample: `id` (the sample's id, else `file:line`), `source` (its file, or
+`builtin:<task>`), `completions` (k texts), `rewards` (every component, unweighted, one value per
+completion), `total`, `gate_failed` (if there are gates), `correct` (accuracy reward == 1), `pass_at_k` (any
+of the k correct), `format_valid` (samples with a `label` only), `completion_tokens`, `truncated` and
+`ground_truth` (whichever of label / answer / bbox the sample has).
+
+k = --num-samples. k = 1 decodes greedily (--temperature is ignored); k > 1 samples k completions per
+prompt at --temperature / --top-p, seeded by --seed, and pass@k is the share of samples with any correct.
+NOTE: a resumed sampled run does not redraw the same completions an uninterrupted run would have drawn
+(the RNG stream restarts); greedy runs are unaffected.
+
+Resuming: every line is written with its newline, flushed and fsynced before the next sample. On start the
+existing output is read, a torn last line (a kill mid-write: no newline, or invalid JSON) is cut off the
+file, and samples already written (by source and id) are skipped; so rerunning the same command neither
+duplicates nor loses a line. `<output stem>.settings.json` records what decides the results (model,
+adapter, sampling, rewards, seed): a rerun with different settings into the same file is refused instead
+of silently mixing two evaluations (pass --overwrite or another --output).
+
+Summary: printed and written atomically to `<output stem>.summary.json`, computed from ALL lines of the
+output file (so a resumed run's summary covers every sample): accuracy (share of correct completions),
+pass@k, mean total reward and mean of each component, format-valid fraction (share of completions with
+format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
+
+--compare evaluates the base model (adapters switched off with lora.adapters_disabled, which is the base
+exactly) and base + adapter on the same samples and seed, into `<stem>.base.jsonl` and
+`<stem>.adapter.jsonl` (each resumable, each with its summary), and writes one report with both columns
+to `<stem>.compare.json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data
+import grpo
+import lora
+import model_io
+import rewards
+import train
+
+
+@dataclass
+class Args:
+    # --- model ---
+    model: str = model_io.DEFAULT_MODEL
+    """Local folder or hub id of the base model. The default is the tiny Qwen2.5-VL shipped in assets/."""
+    adapter: str | None = None
+    """PEFT-format LoRA adapter folder written by train.py (e.g. runs/grpo/adapter). None: the base model."""
+    compare: bool = False
+    """Evaluate the base model AND base + --adapter, and write one report with both columns."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
+    dtype: str = "auto"
+    """'auto' (bf16 on CUDA, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+
+    # --- data ---
+    data: tuple[str, ...] = ()
+    """JSONL file(s) to evaluate. Empty: the held-out split of the built-in task `--task`."""
+    task: Literal["inspection", "shapes", "summaries"] = "inspection"
+    """Built-in synthetic task used when --data is empty (its held-out split, as in train.py)."""
+    prompt_template: str | None = None
+    """Text file rendering samples that carry per-image `summaries`, as train.py's --prompt-template."""
+    eval_size: int = 200
+    """Number of built-in held-out samples."""
+    max_prompt_length: int = 4096
+    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+
+    # --- generation ---
+    batch_size: int = 16
+    """Prompts per generate call (each expanded to --num-samples rows)."""
+    num_samples: int = 1
+    """k completions per prompt. 1: greedy. > 1: sampled at --temperature, and pass@k is reported."""
+    temperature: float = 1.0
+    """Sampling temperature when --num-samples > 1."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold when --num-samples > 1 (1.0: off)."""
+    max_new_tokens: int = 24
+    """Longest completion; one that reaches it without EOS is flagged truncated."""
+    seed: int = 0
+    """Seeds sampling and the built-in task's samples."""
+
+    # --- rewards ---
+    reward: tuple[str, ...] = ()
+    """Reward names or plug-ins 'module:function', as in train.py. Default: by task (required with --data)."""
+    reward_weight: tuple[float, ...] = ()
+    """One weight per --reward (default 1.0 each)."""
+    gate: tuple[str, ...] = ()
+    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+    accuracy_reward: str | None = None
+    """The reward whose value 1.0 means 'correct'. Default: the first --reward."""
+
+    # --- output ---
+    output: str = "runs/eval/predictions.jsonl"
+    """Output JSONL (one line per sample). With --compare, <stem>.base.jsonl and <stem>.adapter.jsonl."""
+    overwrite: bool = False
+    """Start the output file(s) afresh instead of resuming them."""
+
+
+GROUND_TRUTH = ("label", "answer", "bbox")
+
+
+# --------------------------------------------------------------------------------------------------
+# Samples and output files
+
+
+def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
+    """The samples, each with `_source` and `_id` (its key in the output), and the built-in task or None."""
+    template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
+    if not args.data:
+        samples = data.make_task(args.task, args.eval_size, split="test", seed=args.seed)
+        samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
+        return data.apply_prompt_template(samples, template), args.task
+    samples, seen = [], {}
+    for path in args.data:
+        for s in data.read_jsonl(path):
+            s = {**s, "_source": path, "_id": str(s["id"]) if "id" in s else s["_where"]}
+            key = (s["_source"], s["_id"])
+            # NOTE: a repeated id would make resuming skip the second sample as already done.
+            if key in seen:
+                raise ValueError(f"{s['_where']}: id {s['_id']!r} already used at {seen[key]}")
+            seen[key] = s["_where"]
+            samples.append(s)
+    return data.apply_prompt_template(samples, template), None
+
+
+def read_done(path: Path) -> list[dict]:
+    """Records of an existing output file. A torn last line (killed mid-write) is cut off the file itself."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    lines.pop()  # after the last newline: b"" or a line whose write never finished
+    records, good_bytes = [], 0
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if lineno < len(lines):  # only the last line can be torn; damage before it is not ours to fix
+                raise SystemExit(f"{path}:{lineno}: invalid JSON before the last line; fix or --overwrite")
+            break
+        good_bytes += len(line) + 1
+    if good_bytes < len(raw):
+        print(f"{path}: dropping a torn last line ({len(raw) - good_bytes} bytes)")
+        with path.open("r+b") as f:
+            f.truncate(good_bytes)
+            os.fsync(f.fileno())
+    return records
+
+
+def append_line(f, record: dict) -> None:
+    """Write one complete line, then flush and fsync: a crash can tear at most the line being written."""
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_settings(path: Path, settings: dict, overwrite: bool) -> None:
+    """Refuse to resume an output written with other settings (it would mix two evaluations)."""
+    settings_path = path.with_suffix(".settings.json")
+    if overwrite:
+        for p in (path, path.with_suffix(".summary.json"), settings_path):
+            p.unlink(missing_ok=True)
+    if path.exists() and settings_path.exists():
+        old = json.loads(settings_path.read_text(encoding="utf-8"))
+        changed = sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k))
+        if changed:
+            raise SystemExit(
+                f"{path} was written with other settings ({', '.join(changed)}); "
+                "pass --overwrite or choose another --output"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(settings_path, settings)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation, scoring, summary
+
+
+@torch.no_grad()
+def generate(model, tokenizer, image_processor, samples: list[dict], args: Args, device) -> list[dict]:
+    """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags."""
+    k = args.num_samples
+    batch = data.prepare_prompts(
+        samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
+    )
+    inputs = data.repeat_rows(batch, k).inputs  # (B*k, P): sample b -> rows b*k .. b*k+k-1, own images
+    ids, _ = grpo.sample_completions(
+        model,
+        inputs,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
+        top_p=args.top_p if k > 1 else 1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=train.suppressed_tokens(tokenizer),
+    )  # (B*k, T)
+    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
+    lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
+    rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
+    return [{"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r]} for r in rows]
+
+
+def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
+    """The output line of one sample and its k completions."""
+    texts, lengths = completions["texts"], completions["lengths"]
+    scores = rewards.score(texts, [sample] * len(texts), reward_fns, completion_lengths=lengths)
+    correct = [v >= 1.0 for v in scores.components[accuracy_name]]
+    record = {"id": sample["_id"], "source": sample["_source"], "completions": texts}
+    record.update(rewards=scores.components, total=scores.total)
+    if scores.gate_failed:
+        record["gate_failed"] = scores.gate_failed
+    record.update(correct=correct, pass_at_k=any(correct))
+    if "label" in sample:  # the two-line verdict format only exists for verdict tasks
+        record["format_valid"] = [rewards.format_reward(t, sample) == 1.0 for t in texts]
+    record.update(completion_tokens=lengths, truncated=completions["truncated"])
+    record["ground_truth"] = {f: sample[f] for f in GROUND_TRUTH if f in sample}
+    return record
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values)
+
+
+def summarise(records: list[dict]) -> dict:
+    """Accuracy, pass@k, reward means, format-valid fraction, lengths; over every line of the output."""
+    if not records:
+        return {"samples": 0}
+    k = max(len(r["completions"]) for r in records)
+    summary = {"samples": len(records), "completions": sum(len(r["completions"]) for r in records)}
+    summary["accuracy"] = _mean(c for r in records for c in r["correct"])
+    summary[f"pass@{k}"] = _mean(r["pass_at_k"] for r in records)
+    summary["reward/mean"] = _mean(t for r in records for t in r["total"])
+    for name in records[0]["rewards"]:
+        summary[f"reward/{name}/mean"] = _mean(v for r in records for v in r["rewards"][name])
+    valid = [v for r in records for v in r.get("format_valid", [])]
+    if valid:
+        summary["format_valid"] = _mean(valid)
+    summary["completion_tokens/mean"] = _mean(n for r in records for n in r["completion_tokens"])
+    summary["frac_truncated"] = _mean(t for r in records for t in r["truncated"])
+    return summary
+
+
+def print_table(columns: dict[str, dict]) -> None:
+    """Metrics as rows, one column per evaluated model."""
+    keys = list(dict.fromkeys(k for summary in columns.values() for k in summary))
+    print(f"{'':24s}" + "".join(f"{name:>12s}" for name in columns))
+    for key in keys:
+        cells = [summary.get(key, float("nan")) for summary in columns.values()]
+        print(f"{key:24s}" + "".join(f"{c:12d}" if isinstance(c, int) else f"{c:12.4f}" for c in cells))
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+
+
+def evaluate_to_file(
+    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
+):
+    """Evaluate the samples not yet in `path`, one appended line each; return the whole file's summary."""
+    done = {(r["source"], r["id"]) for r in read_done(path)}
+    todo = [s for s in samples if (s["_source"], s["_id"]) not in done]
+    print(f"{path}: {len(samples) - len(todo)} of {len(samples)} samples already done")
+    with path.open("a", encoding="utf-8") as f:
+        for start in range(0, len(todo), args.batch_size):
+            chunk = todo[start : start + args.batch_size]
+            generated = generate(model, tokenizer, image_processor, chunk, args, device)
+            for sample, completions in zip(chunk, generated):
+                append_line(f, score_sample(sample, completions, reward_fns, accuracy_name))
+            print(f"  {start + len(chunk)}/{len(todo)}", flush=True)
+    summary = summarise(read_done(path))
+    write_json_atomic(path.with_suffix(".summary.json"), summary)
+    return summary
+
+
+def planned_runs(args: Args) -> list[tuple[str, Path, bool]]:
+    """(column name, output file, adapter on) for each evaluation."""
+    out = Path(args.output)
+    if args.compare:
+        return [
+            ("base", out.with_suffix(".base.jsonl"), False),
+            ("adapter", out.with_suffix(".adapter.jsonl"), True),
+        ]
+    return [("adapter", out, True) if args.adapter else ("base", out, False)]
+
+
+def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool) -> dict:
+    sampled = args.num_samples > 1
+    return {
+        "model": args.model,
+        "adapter": str(Path(args.adapter).resolve()) if adapter_on else None,
+        "num_samples": args.num_samples,
+        "temperature": args.temperature if sampled else 0.0,
+        "top_p": args.top_p if sampled else 1.0,
+        "max_new_tokens": args.max_new_tokens,
+        "prompt_template": args.prompt_template,
+        "rewards": [[r.name, r.weight, r.gate] for r in reward_fns],
+        "accuracy_reward": accuracy_name,
+        "seed": args.seed,
+        "dtype": args.dtype,
+    }
+
+
+def main(args: Args) -> dict[str, dict]:
+    if args.compare and not args.adapter:
+        raise SystemExit("--compare needs --adapter")
+    if args.num_samples < 1 or (args.num_samples > 1 and args.temperature <= 0):
+        raise SystemExit("--num-samples must be >= 1, and > 1 needs --temperature > 0 (else k equal copies)")
+    device = torch.device(
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    samples, task = load_eval_samples(args)
+    reward_fns = train.resolve_rewards(args, task)  # reads only .reward, .reward_weight, .gate
+    accuracy_name = args.accuracy_reward or reward_fns[0].name
+    if accuracy_name not in [r.name for r in reward_fns]:
+        raise SystemExit(f"--accuracy-reward {accuracy_name!r} is not among the rewards")
+    dtype = model_io.resolve_dtype(args.dtype, device)
+    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    if args.adapter:
+        lora.load_adapter(model, args.adapter)
+    model.eval()
+
+    summaries = {}
+    for name, path, adapter_on in planned_runs(args):
+        check_settings(path, settings_of(args, reward_fns, accuracy_name, adapter_on), args.overwrite)
+        torch.manual_seed(args.seed)  # both columns of --compare draw from the same RNG stream
+        # The base column of --compare: the same model with its adapters switched off (exactly the base).
+        off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
+        with off:
+            summaries[name] = evaluate_to_file(
+                model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
+            )
+    print_table(summaries)
+    if args.compare:
+        report = {
+            "base": summaries["base"],
+            "adapter": summaries["adapter"],
+            "args": dataclasses.asdict(args),
+        }
+        write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
+    return summaries
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

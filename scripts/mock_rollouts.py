@@ -1,0 +1,151 @@
+"""Mock rollouts from a prompts file (seeded), so that scoring can be tried without a model.
+
+    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl --output runs/mock/rollouts.jsonl
+    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl --prompts runs/mock/prompts.jsonl
+    python scripts/mock_rollouts.py --prompts my_prompts.jsonl --group-size 8 --steps 3 --seed 1 --output r.jsonl
+
+For each step and each prompt (a JSONL line with `prompt_id` and its ground truth) it writes G candidate
+lines `{"step", "prompt_id", "group_id", "text", "meta": {"kind"}}`, each drawn correct, wrong or
+malformed with probabilities --p-correct, 1 - --p-correct - --p-malformed and --p-malformed:
+- prompts with a `label` (verdict tasks): correct = the label and a `理由:` line (the prompt's own
+  two-line `answer` when it has one), wrong = the opposite verdict, malformed = a broken layout (one line,
+  verdict and reason on one line, empty reason, an unknown verdict, an empty text);
+- prompts with an `answer` only: correct = the answer, wrong = another prompt's answer (or the answer
+  plus one for numbers), malformed = an unclosed `<answer>` tag or an empty text.
+The same prompts, seed and options always give the same file.
+
+`--write-prompts N` first writes N prompts of the built-in inspection task to --prompts (prompt_id, prompt,
+label, answer; no images, which scoring does not need), so that the whole loop runs without any input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data
+
+
+@dataclass
+class Args:
+    prompts: str = "runs/mock/prompts.jsonl"
+    """Prompts JSONL (prompt_id plus label and/or answer). Written first with --write-prompts."""
+    output: str = "runs/mock/rollouts.jsonl"
+    """Rollouts JSONL to write."""
+    write_prompts: int | None = None
+    """Write this many built-in inspection prompts to --prompts first."""
+    group_size: int = 8
+    """G: candidates per prompt and step."""
+    steps: int = 1
+    """Number of steps; every prompt gets a group in each."""
+    p_correct: float = 0.5
+    """Probability that a candidate is correct."""
+    p_malformed: float = 0.2
+    """Probability that a candidate is malformed (the rest are wrong)."""
+    seed: int = 0
+    """Seeds the candidates (and the built-in prompts of --write-prompts)."""
+
+
+FLIP = {"通过": "不通过", "不通过": "通过", "pass": "fail", "fail": "pass"}
+
+
+def builtin_prompts(n: int, seed: int) -> list[dict]:
+    samples = data.make_task("inspection", n, seed=seed)
+    return [
+        {"prompt_id": s["id"], "prompt": s["prompt"], "label": s["label"], "answer": s["answer"]}
+        for s in samples
+    ]
+
+
+def verdict_text(kind: str, prompt: dict, rng: random.Random) -> str:
+    label = str(prompt["label"])
+    answer = str(prompt.get("answer", ""))
+    if kind == "correct":
+        return (
+            answer if answer.split("\n")[0] == label else f"{label}\n理由: mock reason {rng.randint(0, 99)}"
+        )
+    if kind == "wrong":
+        return f"{FLIP.get(label.casefold(), '通过')}\n理由: mock reason"
+    return rng.choice([label, f"{label} 理由: 无缺陷", f"{label}\n理由:", "也许\n理由: 看不清", ""])
+
+
+def answer_text(kind: str, prompt: dict, answers: list[str], rng: random.Random) -> str:
+    answer = str(prompt["answer"])
+    if kind == "correct":
+        return answer
+    if kind == "wrong":
+        try:
+            return str(float(answer) + 1)
+        except ValueError:
+            others = [a for a in answers if a != answer]
+            return rng.choice(others) if others else f"not {answer}"
+    return rng.choice([f"<answer>{answer}", ""])
+
+
+def mock_rollouts(prompts: list[dict], args: Args) -> list[dict]:
+    rng = random.Random(f"mock_rollouts/{args.seed}")
+    answers = sorted({str(p["answer"]) for p in prompts if "answer" in p})
+    kinds = ["correct", "wrong", "malformed"]
+    weights = [args.p_correct, 1 - args.p_correct - args.p_malformed, args.p_malformed]
+    lines = []
+    for step in range(args.steps):
+        for prompt in prompts:
+            pid = prompt["prompt_id"]
+            for _ in range(args.group_size):
+                kind = rng.choices(kinds, weights)[0]
+                if "label" in prompt:
+                    text = verdict_text(kind, prompt, rng)
+                else:
+                    text = answer_text(kind, prompt, answers, rng)
+                group_id = f"{step}/{pid}"
+                lines.append(
+                    {
+                        "step": step,
+                        "prompt_id": pid,
+                        "group_id": group_id,
+                        "text": text,
+                        "meta": {"kind": kind},
+                    }
+                )
+    return lines
+
+
+def read_prompts(path: str) -> list[dict]:
+    prompts = [
+        json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
+    for i, p in enumerate(prompts, start=1):
+        if "prompt_id" not in p or not ("label" in p or "answer" in p):
+            raise SystemExit(f"{path}:{i}: a prompt needs prompt_id and a label or an answer")
+    return prompts
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def main(args: Args) -> list[dict]:
+    if not (0 <= args.p_correct and 0 <= args.p_malformed and args.p_correct + args.p_malformed <= 1):
+        raise SystemExit("need p_correct, p_malformed >= 0 with p_correct + p_malformed <= 1")
+    if args.write_prompts:
+        write_jsonl(args.prompts, builtin_prompts(args.write_prompts, args.seed))
+        print(f"wrote {args.write_prompts} prompts to {args.prompts}")
+    lines = mock_rollouts(read_prompts(args.prompts), args)
+    write_jsonl(args.output, lines)
+    counts = {k: sum(line["meta"]["kind"] == k for line in lines) for k in ("correct", "wrong", "malformed")}
+    print(f"wrote {len(lines)} candidates to {args.output}: {counts}")
+    return lines
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

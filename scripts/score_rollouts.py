@@ -1,0 +1,296 @@
+"""Score rollouts produced elsewhere: rewards and group advantages exactly as training computes them.
+
+    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl --output runs/mock/rollouts.jsonl
+    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl --prompts runs/mock/prompts.jsonl
+    python scripts/score_rollouts.py --rollouts r.jsonl --prompts p.jsonl --reward label format my_rm.py:score \\
+        --gate format --group-size 8 --output scored.jsonl
+
+Input: one candidate per line, `{"step", "prompt_id", "group_id", "text", "meta"}` (only `prompt_id` and
+`text` are required), with G lines sharing a prompt_id; and a prompts JSONL holding each prompt's ground
+truth (`label`, `answer`, `bbox`, ...) under its `prompt_id`. The prompt record is the `sample` the reward
+functions see.
+
+Output (`--output`, default `<rollouts stem>.scored.jsonl`): every scored line as it came in, plus `reward`
+(`total`, `components`: every reward unweighted, `gate_failed`: gate name -> failed) and `advantage`.
+Lines that cannot be scored are left out of it and listed in the report. Report (`<output stem>.report.json`):
+counts, mean reward, per-component means, gate failure counts, fraction of zero-std groups, groups whose
+size is not G, and the bad lines with their line numbers and reasons. Both files are written atomically.
+
+Choices:
+- Groups are keyed by (step, prompt_id) when a line has `step`, else by prompt_id. Advantages are
+  `grpo.group_advantages` (scale "group", as train.py's default) called once per group with
+  group_size = len(group), so groups of unequal size are still normalised within themselves.
+- NOTE: a group of one (no baseline to compare with) gets advantage 0.0; it is counted in
+  `singleton_groups`, listed among the wrong-size groups, and counts as zero-std (it carries no signal).
+- G is --group-size, else the most common group size (ties: the larger).
+- Bad lines (blank lines are skipped, not bad): invalid JSON, not an object, missing prompt_id, unknown
+  prompt_id, `text` not a string, and a reward raising ValueError/KeyError on the line (e.g. ground truth
+  missing from its prompt). They never stop the other lines from being scored.
+- A malformed prompts file (invalid JSON, missing or repeated prompt_id) is an error: it is the ground truth.
+- Cache: every reward value is stored in an sqlite file (`--cache`, default `reward_cache.sqlite` next to
+  the output) under a hash of (reward name, prompt_id, text, the prompt record), so a rerun calls no reward
+  function, and a changed ground truth is not served stale values. A changed plug-in is not detected:
+  delete the cache file. Rewards that need token counts (`completion_length`) are not supported here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import numbers
+import os
+import sqlite3
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import grpo
+import rewards
+
+
+@dataclass
+class Args:
+    rollouts: str
+    """Rollouts JSONL: one candidate per line with prompt_id and text (step, group_id, meta optional)."""
+    prompts: str
+    """Prompts JSONL: one prompt per line with prompt_id and its ground truth (label / answer / bbox)."""
+    output: str | None = None
+    """Scored rollouts JSONL. Default: <rollouts stem>.scored.jsonl next to the rollouts."""
+    report: str | None = None
+    """Report JSON. Default: <output stem>.report.json."""
+    cache: str | None = None
+    """Reward cache (sqlite). Default: reward_cache.sqlite next to the output."""
+    group_size: int | None = None
+    """G, the expected group size. Default: the most common group size."""
+    reward: tuple[str, ...] = ()
+    """Reward names or plug-ins 'module:function'. Default: label format if every prompt has a label,
+    else answer_match if every prompt has an answer."""
+    reward_weight: tuple[float, ...] = ()
+    """One weight per --reward (default 1.0 each)."""
+    gate: tuple[str, ...] = ()
+    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_prompts(path: str) -> dict[str, dict]:
+    """prompt_id -> prompt record; any problem is an error naming file:line."""
+    prompts = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{where}: invalid JSON ({e.msg})") from e
+            if not isinstance(record, dict) or "prompt_id" not in record:
+                raise SystemExit(f"{where}: a prompt must be an object with a prompt_id")
+            pid = str(record["prompt_id"])
+            if pid in prompts:
+                raise SystemExit(f"{where}: prompt_id {pid!r} appears twice")
+            prompts[pid] = record
+    return prompts
+
+
+def parse_rollouts(path: str, prompts: dict[str, dict]) -> tuple[list[tuple[int, dict]], list[dict], int]:
+    """(line number, record) of the usable lines, the bad lines {line, reason}, and the non-blank line count."""
+    good, bad, n_lines = [], [], 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            n_lines += 1
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                bad.append({"line": lineno, "reason": f"invalid JSON ({e})"})
+                continue
+            reason = _problem(record, prompts)
+            if reason:
+                bad.append({"line": lineno, "reason": reason})
+            else:
+                good.append((lineno, record))
+    return good, bad, n_lines
+
+
+def _problem(record, prompts: dict[str, dict]) -> str | None:
+    if not isinstance(record, dict):
+        return f"not a JSON object ({type(record).__name__})"
+    if "prompt_id" not in record:
+        return "missing prompt_id"
+    if str(record["prompt_id"]) not in prompts:
+        return f"unknown prompt_id {record['prompt_id']!r}"
+    if not isinstance(record.get("text"), str):
+        return "text missing or not a string"
+    return None
+
+
+def default_rewards(prompts: dict[str, dict]) -> tuple[str, ...]:
+    if prompts and all("label" in p for p in prompts.values()):
+        return ("label", "format")
+    if prompts and all("answer" in p for p in prompts.values()):
+        return ("answer_match",)
+    raise SystemExit("cannot choose a default reward for these prompts; pass --reward")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reward cache
+
+
+def open_cache(path: Path) -> sqlite3.Connection:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE IF NOT EXISTS reward (key TEXT PRIMARY KEY, value REAL NOT NULL)")
+    return conn
+
+
+def cached(reward: rewards.Reward, conn: sqlite3.Connection, stats: collections.Counter) -> rewards.Reward:
+    """The same reward, its function answered from the cache when (name, prompt, text) was seen before."""
+
+    def fn(completion: str, sample: dict) -> float:
+        prompt = json.dumps(sample, sort_keys=True, ensure_ascii=False)
+        key = hashlib.sha256(json.dumps([reward.name, prompt, completion]).encode()).hexdigest()
+        row = conn.execute("SELECT value FROM reward WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            stats["hits"] += 1
+            return row[0]
+        stats["misses"] += 1
+        value = reward.fn(completion, sample)
+        # Only finite numbers are stored; anything else is passed on for rewards.score to reject.
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
+            conn.execute("INSERT OR REPLACE INTO reward VALUES (?, ?)", (key, float(value)))
+        return value
+
+    return dataclasses.replace(reward, fn=fn)
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring, advantages, report
+
+
+def score_lines(good, prompts, reward_fns) -> tuple[list[tuple[int, dict]], list[dict]]:
+    """Each usable line with its `reward` added, and the lines on which a reward raised (as bad lines)."""
+    scored, bad = [], []
+    for lineno, record in good:
+        sample = prompts[str(record["prompt_id"])]
+        try:
+            s = rewards.score([record["text"]], [sample], reward_fns)
+        except (ValueError, KeyError) as e:
+            bad.append({"line": lineno, "reason": f"reward failed: {type(e).__name__}: {e}"})
+            continue
+        reward = {
+            "total": s.total[0],
+            "components": {name: values[0] for name, values in s.components.items()},
+            "gate_failed": {name: failed[0] for name, failed in s.gate_failed.items()},
+        }
+        scored.append((lineno, {**record, "reward": reward}))
+    return scored, bad
+
+
+def group_key(record: dict) -> tuple:
+    return (record.get("step"), str(record["prompt_id"]))
+
+
+def add_advantages(records: list[dict]) -> dict[tuple, list[int]]:
+    """Set each record's `advantage` within its group; return group key -> row indices."""
+    groups = collections.defaultdict(list)
+    for i, record in enumerate(records):
+        groups[group_key(record)].append(i)
+    for rows in groups.values():
+        if len(rows) == 1:  # NOTE: no baseline for a lone candidate; group_advantages rejects G = 1
+            records[rows[0]]["advantage"] = 0.0
+            continue
+        totals = torch.tensor([records[i]["reward"]["total"] for i in rows])  # float32, as train.py
+        for i, adv in zip(rows, grpo.group_advantages(totals, len(rows)).tolist()):
+            records[i]["advantage"] = adv
+    return dict(groups)
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def build_report(records, groups, bad, n_lines, group_size: int | None, cache_stats) -> dict:
+    sizes = collections.Counter(len(rows) for rows in groups.values())
+    # Most common size; ties go to the larger size.
+    G = group_size or (max(sizes, key=lambda n: (sizes[n], n)) if sizes else None)
+    totals = [r["reward"]["total"] for r in records]
+    names = list(records[0]["reward"]["components"]) if records else []
+    gates = list(records[0]["reward"]["gate_failed"]) if records else []
+    zero_std = [len({totals[i] for i in rows}) == 1 for rows in groups.values()]
+    return {
+        "counts": {"lines": n_lines, "scored": len(records), "bad": len(bad), "groups": len(groups)},
+        "group_size": G,
+        "reward_mean": _mean(totals),
+        "component_means": {n: _mean([r["reward"]["components"][n] for r in records]) for n in names},
+        "gate_failures": {g: sum(r["reward"]["gate_failed"][g] for r in records) for g in gates},
+        "frac_zero_std_groups": _mean(zero_std),
+        "singleton_groups": sizes.get(1, 0),
+        "wrong_size_groups": [
+            {"step": key[0], "prompt_id": key[1], "size": len(rows)}
+            for key, rows in groups.items()
+            if len(rows) != G
+        ],
+        "bad_lines": sorted(bad, key=lambda b: b["line"]),
+        "cache": dict(cache_stats),
+    }
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def output_paths(args: Args) -> tuple[Path, Path, Path]:
+    rollouts = Path(args.rollouts)
+    output = Path(args.output) if args.output else rollouts.with_suffix(".scored.jsonl")
+    report = Path(args.report) if args.report else output.with_suffix(".report.json")
+    cache = Path(args.cache) if args.cache else output.parent / "reward_cache.sqlite"
+    return output, report, cache
+
+
+def main(args: Args) -> dict:
+    output, report_path, cache_path = output_paths(args)
+    prompts = read_prompts(args.prompts)
+    names = args.reward or default_rewards(prompts)
+    try:
+        reward_fns = rewards.parse_reward_specs(
+            names, list(args.reward_weight) or None, list(args.gate) or None
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    good, bad, n_lines = parse_rollouts(args.rollouts, prompts)
+    conn, cache_stats = open_cache(cache_path), collections.Counter(hits=0, misses=0)
+    try:
+        scored, reward_bad = score_lines(good, prompts, [cached(r, conn, cache_stats) for r in reward_fns])
+        conn.commit()
+    finally:
+        conn.close()
+    records = [record for _, record in scored]
+    groups = add_advantages(records)
+    report = build_report(records, groups, bad + reward_bad, n_lines, args.group_size, cache_stats)
+    write_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    write_atomic(report_path, json.dumps(report, ensure_ascii=False, indent=2) + "\n")
+    for b in report["bad_lines"]:
+        print(f"{args.rollouts}:{b['line']}: {b['reason']}", file=sys.stderr)
+    brief = {k: report[k] for k in ("counts", "reward_mean", "component_means", "frac_zero_std_groups")}
+    print(json.dumps({**brief, "cache": report["cache"]}, ensure_ascii=False))
+    print(f"wrote {output} and {report_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
