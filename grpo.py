@@ -9,6 +9,7 @@ Letters used in shape comments:
     B  prompts in the batch             G  completions per prompt (group size)
     N  = B * G rows                      P  prompt length (left-padded)
     T  completion length (longest row)   V  vocabulary size
+    L  decoder blocks                    K  adapted (LoRA) blocks, the last K; H hidden size
 Rows are grouped contiguously: rows [g*G, (g+1)*G) are the G completions of prompt g (the caller expands the
 prompts with `repeat_interleave`, images included, in row order).
 
@@ -22,6 +23,16 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
 
 Pipeline: `sample_completions` -> `completion_mask` -> (rewards, elsewhere) -> `group_advantages` ->
 `completion_logprobs` (with grad for logp, without for old_logp/ref_logp) -> `grpo_loss` -> backward.
+
+Speed-ups, each an exact re-arrangement of that pipeline (tests/test_speed.py compares log-probs and gradients):
+- `sample_completions(..., num_return_sequences=G)` samples the B prompts G times: each image encoded once.
+- Frozen-trunk reuse: with LoRA only in the last K of L blocks, the vision tower and the first L - K blocks
+  compute the same activations for policy, old policy and reference. `capture_trunk` runs them once, without
+  grad, and keeps what block L - K receives; `trunk_logprobs` runs only the K adapted blocks from there.
+- Micro-batches: `split_rows` cuts the N rows (and their images) into chunks; `aggregate` takes the whole
+  batch's num_rows / num_tokens, so the accumulated gradient equals the unchunked one.
+- Memory: `selective_log_softmax` never holds an (N, T, V) log-softmax; `trunk_logprobs` can checkpoint the
+  adapted blocks (non-reentrant, so gradients reach LoRA weights behind a frozen, grad-free input).
 
 Choices, where the literature differs:
 - Advantage scale: `scale="group"` divides by the group's std (DeepSeekMath; unbiased std with G - 1, as TRL),
@@ -48,8 +59,11 @@ Choices, where the literature differs:
 """
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
@@ -140,6 +154,7 @@ def _generation_kwargs(
     pad_token_id: int,
     suppress_token_ids: Sequence[int],
     return_logprobs: bool,
+    num_return_sequences: int = 1,
 ) -> dict:
     """Every generate() option that can change which tokens are drawn, set explicitly.
 
@@ -178,7 +193,7 @@ def _generation_kwargs(
         "watermarking_config": None,
         "remove_invalid_values": False,
         "num_beams": 1,
-        "num_return_sequences": 1,
+        "num_return_sequences": num_return_sequences,
         # A single EOS id: a checkpoint's list of several would end rows on tokens we do not treat as EOS.
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
@@ -200,6 +215,7 @@ def sample_completions(
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
     return_logprobs: bool = False,
+    num_return_sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sample one completion per row with a single batched `model.generate` call.
 
@@ -209,6 +225,9 @@ def sample_completions(
     top_k is always off and no other option is inherited from the model's generation_config.
     `suppress_token_ids` (vision placeholders and markers, chat-control tokens other than EOS) can never be
     sampled, so a completion cannot contain image tokens that the recompute would have no pixels for.
+    `num_return_sequences` = G instead takes the B un-expanded prompts and returns G completions for each, rows
+    in `repeat_interleave` order (prompt b -> rows b*G .. b*G+G-1): the same rows and, for the same seed, the
+    same draws as sampling the expanded rows (tested), but generate encodes each image once, not G times.
 
     Returns completion ids (N, T), only the new tokens, T <= max_new_tokens, rows that stopped early padded
     with pad_token_id; and, if `return_logprobs`, the generation-time log-probs (N, T) of the drawn tokens:
@@ -229,6 +248,7 @@ def sample_completions(
         pad_token_id=pad_token_id,
         suppress_token_ids=suppress_token_ids,
         return_logprobs=return_logprobs,
+        num_return_sequences=num_return_sequences,
     )
     out = model.generate(**inputs, **kwargs)
     P = inputs["input_ids"].shape[1]
@@ -262,6 +282,49 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[to
     return positions[None, :] < lengths[:, None], truncated
 
 
+def _recompute_kwargs(
+    inputs: dict[str, torch.Tensor], completion_ids: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The model inputs for prompt + completion (N, P + T): exactly what generate saw, as one forward pass."""
+    _check_inputs(inputs)
+    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]  # (N, P)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + T)
+    # Ones over the whole completion, as generate appends them: tokens after EOS are seen only by later,
+    # masked positions (attention is causal), so they cannot change any unmasked log-prob.
+    ones = torch.ones_like(completion_ids, dtype=prompt_mask.dtype)  # (N, T)
+    attention_mask = torch.cat([prompt_mask, ones], dim=1)  # (N, P + T)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if "mm_token_type_ids" in inputs:
+        # Completion tokens are text (type 0): image tokens were suppressed at sampling time.
+        kwargs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
+    if "image_grid_thw" in inputs:
+        # The model derives 3D mRoPE positions from mm_token_type_ids + attention_mask, as generate did.
+        kwargs.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+    else:
+        # NOTE: without positions the model would use arange(P + T), but generate numbered each row from its
+        # first real token (cumsum of the mask). With left padding the two differ by the row's pad count:
+        # RoPE only sees position differences, so there it costs rounding; learned absolute positions break.
+        kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (N, P + T)
+    return kwargs
+
+
+def _divide_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature (temperature 0, greedy, counts as 1), in place."""
+    if temperature > 0 and temperature != 1:
+        # In place, to avoid a second (N, T, V) tensor; safe: lm_head's backward never reads its output
+        # (were a model's last op to need it, autograd would raise, not silently go wrong).
+        logits.div_(temperature)
+    return logits
+
+
+def _logprobs_and_entropy(
+    logits: torch.Tensor, completion_ids: torch.Tensor, *, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp (N, T) of the completion tokens [and the entropy (N, T)] from the already shifted logits (N, T, V)."""
+    logp = selective_log_softmax(logits, completion_ids)  # (N, T)
+    return logp, (_entropy(logits) if return_entropy else None)
+
+
 def completion_logprobs(
     model: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
@@ -280,40 +343,178 @@ def completion_logprobs(
     entropy (N, T) of that distribution, without grad (a metric). Values after a row's EOS are finite and must
     be masked.
     """
-    _check_inputs(inputs)
-    prompt_ids, prompt_mask = inputs["input_ids"], inputs["attention_mask"]  # (N, P)
     T = completion_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # (N, P + T)
-    # Ones over the whole completion, as generate appends them: tokens after EOS are seen only by later,
-    # masked positions (attention is causal), so they cannot change any unmasked log-prob.
-    ones = torch.ones_like(completion_ids, dtype=prompt_mask.dtype)  # (N, T)
-    attention_mask = torch.cat([prompt_mask, ones], dim=1)  # (N, P + T)
-    extra = {}
-    if "mm_token_type_ids" in inputs:
-        # Completion tokens are text (type 0): image tokens were suppressed at sampling time.
-        extra["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
-    if "image_grid_thw" in inputs:
-        # The model derives 3D mRoPE positions from mm_token_type_ids + attention_mask, as generate did.
-        extra.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
-    else:
-        # NOTE: without positions the model would use arange(P + T), but generate numbered each row from its
-        # first real token (cumsum of the mask). With left padding the two differ by the row's pad count:
-        # RoPE only sees position differences, so there it costs rounding; learned absolute positions break.
-        extra["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (N, P + T)
     # Only the last T + 1 positions' logits: the prompt's are never needed. use_cache=False: no KV cache.
-    out = model(
-        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1, use_cache=False, **extra
-    )
-    logits = out.logits  # (N, T + 1, V) positions P - 1 .. P + T - 1
-    if temperature > 0 and temperature != 1:
-        # In place, to avoid a second (N, T + 1, V) tensor; safe: lm_head's backward never reads its output
-        # (were a model's last op to need it, autograd would raise, not silently go wrong).
-        logits.div_(temperature)
+    out = model(**_recompute_kwargs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
+    logits = _divide_by_temperature(out.logits, temperature)  # (N, T + 1, V) positions P - 1 .. P + T - 1
     # Off-by-one: the logit at position j predicts token j + 1. Position P - 1 (last prompt token) predicts
     # completion token 0; the last position predicts a token past the end and is dropped.
     logits = logits[:, :-1]  # (N, T, V)
-    logp = selective_log_softmax(logits, completion_ids)  # (N, T)
-    return logp, (_entropy(logits) if return_entropy else None)
+    return _logprobs_and_entropy(logits, completion_ids, return_entropy=return_entropy)
+
+
+# --- speed: micro-batches and the frozen trunk ---------------------------------------------------------------
+# Each function below is an exact re-arrangement of `completion_logprobs`; tests/test_speed.py checks log-probs
+# and gradients against it.
+
+
+def split_rows(
+    inputs: dict[str, torch.Tensor], chunk_size: int
+) -> list[tuple[slice, dict[str, torch.Tensor]]]:
+    """Cut N prompt rows into consecutive chunks of at most `chunk_size` rows, each with only its own images.
+
+    Returns (rows, chunk inputs) pairs for micro-batching. (N, P) tensors are sliced by rows; the flat
+    `pixel_values` (patches, D) and `image_grid_thw` (images, 3) are cut where the chunk's images end. A row's
+    images are counted as runs of 1s in mm_token_type_ids: Qwen-VL wraps every image in <|vision_start|> ..
+    <|vision_end|> text tokens, so two images never merge into one run (checked against the grid count).
+    NOTE: a chunk whose rows carry no image drops the image keys (the model cannot encode zero images).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_inputs(inputs)
+    N = inputs["input_ids"].shape[0]
+    bounds = [(start, min(start + chunk_size, N)) for start in range(0, N, chunk_size)]
+    row_keys = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inputs]
+    if "image_grid_thw" not in inputs:
+        return [(slice(a, b), {k: inputs[k][a:b] for k in row_keys}) for a, b in bounds]
+    is_image = inputs["mm_token_type_ids"] == 1  # (N, P)
+    before = torch.cat([torch.zeros_like(is_image[:, :1]), is_image[:, :-1]], dim=1)  # (N, P) shifted right
+    images_per_row = (is_image & ~before).sum(dim=1)  # (N,) one run start per image
+    grid = inputs["image_grid_thw"]  # (images, 3)
+    if int(images_per_row.sum()) != grid.shape[0]:
+        raise ValueError(
+            f"mm_token_type_ids has {int(images_per_row.sum())} image runs, {grid.shape[0]} grids"
+        )
+    first_image = [0, *images_per_row.cumsum(0).tolist()]  # (N + 1,) index of each row's first image
+    first_patch = [0, *grid.prod(-1).cumsum(0).tolist()]  # (images + 1,) t * h * w patches per image
+    chunks = []
+    for a, b in bounds:
+        chunk = {k: inputs[k][a:b] for k in row_keys}
+        i, j = first_image[a], first_image[b]  # the chunk owns images i .. j - 1
+        if j > i:
+            chunk["image_grid_thw"] = grid[i:j]
+            chunk["pixel_values"] = inputs["pixel_values"][first_patch[i] : first_patch[j]]
+        chunks.append((slice(a, b), chunk))
+    return chunks
+
+
+@dataclass
+class Trunk:
+    """What the frozen trunk (vision tower, embeddings, blocks[:first_adapted]) hands to blocks[first_adapted].
+
+    With LoRA only in the last K blocks, everything before them computes the same activations for the policy,
+    the old policy and the reference. `capture_trunk` records them once per batch; `trunk_logprobs` runs only
+    the K adapted blocks from there, for each of the three.
+    """
+
+    hidden_states: torch.Tensor  # (n, P + T, H) the input of blocks[first_adapted], detached
+    # The keyword arguments the model passed to that block, untouched: attention_mask (4D, or None),
+    # position_embeddings (cos, sin), Qwen-VL's multimodal RoPE included, position_ids, use_cache, ...
+    block_kwargs: dict[str, Any]
+
+
+class _TrunkCaptured(Exception):
+    """Raised by the pre-hook of blocks[first_adapted] to end the trunk forward there."""
+
+    def __init__(self, hidden_states: torch.Tensor, block_kwargs: dict[str, Any]) -> None:
+        super().__init__("trunk captured")
+        self.hidden_states, self.block_kwargs = hidden_states, block_kwargs
+
+
+def _check_frozen_trunk(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], first_adapted: int
+) -> None:
+    """The trunk is shared only if nothing before blocks[first_adapted] trains (K <= L, vision tower frozen)."""
+    if not 0 <= first_adapted < len(blocks):
+        raise ValueError(f"need 1 <= K <= L adapted blocks, i.e. 0 <= first_adapted < {len(blocks)}")
+    adapted = {id(p) for block in blocks[first_adapted:] for p in block.parameters()}
+    # NOTE: strict on purpose: a trainable lm_head tied to the input embeddings would change the trunk too.
+    outside = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in adapted]
+    if outside:
+        raise ValueError(
+            f"trunk reuse needs every trainable parameter in blocks[{first_adapted}:]: {outside[:3]}"
+        )
+
+
+@torch.no_grad()
+def capture_trunk(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    completion_ids: torch.Tensor,
+    *,
+    blocks: Sequence[torch.nn.Module],
+    first_adapted: int,
+) -> Trunk:
+    """Run the model up to blocks[first_adapted] once, without grad, and keep what that block receives.
+
+    Same inputs as `completion_logprobs`. A forward pre-hook records the block's hidden states and keyword
+    arguments, so the model's own code builds the masks and (m)RoPE, none of it re-implemented here; then it
+    raises to stop the forward, which skips the K adapted blocks and the LM head (their output is not needed).
+    The adapters may be on or off: none sits in the trunk (checked: no trainable parameter outside
+    blocks[first_adapted:]).
+    NOTE: assumptions, true for Qwen2 / Qwen2.5-VL, stated for other models: every adapted block receives the
+    same keyword arguments (one attention type, so no sliding/full alternation), and after blocks[first_adapted]
+    the model only runs the remaining blocks, the final norm and the LM head (Qwen3-VL adds visual features
+    after its first blocks, so first_adapted must lie past them; Gemma soft-caps the logits).
+    """
+    _check_frozen_trunk(model, blocks, first_adapted)
+
+    def stop(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        hidden_states = args[0] if args else kwargs.pop("hidden_states")
+        raise _TrunkCaptured(hidden_states, dict(kwargs))
+
+    handle = blocks[first_adapted].register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model(**_recompute_kwargs(inputs, completion_ids), logits_to_keep=1, use_cache=False)
+    except _TrunkCaptured as captured:
+        return Trunk(captured.hidden_states.detach(), captured.block_kwargs)
+    finally:
+        handle.remove()
+    raise RuntimeError(f"blocks[{first_adapted}] was never called: pass the model's own decoder blocks")
+
+
+def _run_block(
+    block: torch.nn.Module, hidden_states: torch.Tensor, block_kwargs: dict[str, Any], *, checkpointed: bool
+) -> torch.Tensor:
+    """One decoder block; `checkpointed` keeps only its input and recomputes the rest during backward."""
+    if checkpointed:
+        # Non-reentrant: gradients reach the LoRA weights although the input (trunk output) has none; the
+        # reentrant variant would silently give them none. The RNG state is replayed, so LoRA dropout agrees.
+        out = torch.utils.checkpoint.checkpoint(block, hidden_states, use_reentrant=False, **block_kwargs)
+    else:
+        out = block(hidden_states, **block_kwargs)
+    return out[0] if isinstance(out, tuple) else out  # transformers < 5 returned (hidden_states, ...)
+
+
+def trunk_logprobs(
+    trunk: Trunk,
+    completion_ids: torch.Tensor,
+    *,
+    blocks: Sequence[torch.nn.Module],
+    first_adapted: int,
+    norm: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    temperature: float,
+    return_entropy: bool = False,
+    gradient_checkpointing: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`completion_logprobs` from a captured trunk: blocks[first_adapted:], final norm, LM head, log-softmax.
+
+    Equal to the full forward (tested). Carries gradient into the adapted blocks when grad is enabled (policy);
+    call it under no_grad for old_logp, and also inside `adapters_disabled` for ref_logp. No gradient flows into
+    the trunk. `gradient_checkpointing` checkpoints each adapted block (only while grad is enabled).
+    """
+    hidden_states = trunk.hidden_states  # (n, P + T, H)
+    checkpointed = gradient_checkpointing and torch.is_grad_enabled()
+    for block in blocks[first_adapted:]:
+        hidden_states = _run_block(block, hidden_states, trunk.block_kwargs, checkpointed=checkpointed)
+    T = completion_ids.shape[1]
+    # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2 predict the T completion tokens. The
+    # final norm acts on each position alone, so normalising only them equals the model's norm-then-slice,
+    # and leaving out the last position spares the backward a full-size, zero-padded gradient of a slice.
+    hidden_states = hidden_states[:, -(T + 1) : -1]  # (n, T, H)
+    logits = _divide_by_temperature(lm_head(norm(hidden_states)), temperature)  # (n, T, V)
+    return _logprobs_and_entropy(logits, completion_ids, return_entropy=return_entropy)
 
 
 # --- advantages and loss ------------------------------------------------------------------------------------
@@ -522,7 +723,9 @@ def rollout_metrics(
 # --- adaptive KL coefficient ---------------------------------------------------------------------------------
 
 
-def adapt_beta(beta: float, kl: float, *, kl_target_low: float, kl_target_high: float, factor: float) -> float:
+def adapt_beta(
+    beta: float, kl: float, *, kl_target_low: float, kl_target_high: float, factor: float
+) -> float:
     """Keep the measured KL inside [kl_target_low, kl_target_high] by scaling beta after each step.
 
     A band controller in the spirit of PPO's adaptive KL penalty (Schulman et al. 2017, section 4): KL above

@@ -133,6 +133,17 @@ class Args:
     max_grad_norm: float = 1.0
     """Gradient-norm clipping of the LoRA gradients."""
 
+    # --- speed (each one leaves the results unchanged; tests/test_speed.py) ---
+    trunk_reuse: bool = True
+    """Run the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad, and only
+    the K adapted blocks for the policy, the reference and the old policy. --no-trunk-reuse: a full forward
+    for each."""
+    micro_batch_size: int | None = None
+    """Rows per chunk of the log-prob recomputes and of the backward (gradient accumulation, same loss).
+    None: all N = B*G rows at once."""
+    gradient_checkpointing: bool = False
+    """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
+
     # --- logging, evaluation, checkpoints ---
     output_dir: str = "runs/grpo"
     """Run folder: metrics.jsonl, checkpoint-*/, adapter/, curves.png."""
@@ -220,6 +231,90 @@ def cosine_with_warmup(
 
 
 # --------------------------------------------------------------------------------------------------
+# Speed: micro-batches and the frozen trunk (the math is in grpo.py; these only wire it to the model)
+
+
+def decoder_parts(model, lora_last_k: int) -> dict:
+    """blocks, first_adapted, final norm and LM head: the keyword arguments of grpo's trunk functions."""
+    path, blocks = lora.find_decoder_blocks(model)
+    first_adapted = len(blocks) - lora_last_k  # 1 <= K <= L is checked by inject_lora and capture_trunk
+    config = model.config.get_text_config()
+    # NOTE: the trunk hands every adapted block the mask of blocks[first_adapted]; one attention type only.
+    if len(set((getattr(config, "layer_types", None) or [])[first_adapted:])) > 1:
+        raise ValueError("the adapted blocks mix attention types; use --no-trunk-reuse")
+    # NOTE: Qwen3-VL adds visual features to the hidden states after its first blocks ("deepstack").
+    vision_config = getattr(model.config, "vision_config", None)
+    if first_adapted < len(getattr(vision_config, "deepstack_visual_indexes", None) or []):
+        raise ValueError("LoRA reaches the blocks that receive deepstack features; use --no-trunk-reuse")
+    norm = model.get_submodule(path.rpartition(".")[0]).norm  # applied to the last block's output
+    lm_head = model.get_output_embeddings()
+    return {"blocks": blocks, "first_adapted": first_adapted, "norm": norm, "lm_head": lm_head}
+
+
+@dataclass
+class RowChunk:
+    """One micro-batch of rows: its prompt inputs, completions and (with --trunk-reuse) its frozen trunk."""
+
+    rows: slice  # which of the N rows
+    inputs: dict[str, torch.Tensor]  # input_ids (n, P), ..., and only these rows' images
+    completion_ids: torch.Tensor  # (n, T)
+    trunk: grpo.Trunk | None
+
+
+def make_chunks(model, inputs, completion_ids, args: Args) -> list[RowChunk]:
+    """Split the N rows into micro-batches; with --trunk-reuse run each one's trunk forward here, once."""
+    parts = decoder_parts(model, args.lora_last_k)
+    chunks = []
+    for rows, chunk_inputs in grpo.split_rows(inputs, args.micro_batch_size or completion_ids.shape[0]):
+        trunk = None
+        if args.trunk_reuse:  # adapters on or off does not matter: none sits in the trunk
+            trunk = grpo.capture_trunk(
+                model,
+                chunk_inputs,
+                completion_ids[rows],
+                blocks=parts["blocks"],
+                first_adapted=parts["first_adapted"],
+            )
+        chunks.append(RowChunk(rows, chunk_inputs, completion_ids[rows], trunk))
+    return chunks
+
+
+def chunk_logprobs(model, chunk: RowChunk, args: Args, *, return_entropy: bool = False):
+    """(logp, entropy) of one chunk: the adapted blocks on its trunk, or the full model (plain path)."""
+    if chunk.trunk is None:
+        return grpo.completion_logprobs(
+            model,
+            chunk.inputs,
+            chunk.completion_ids,
+            temperature=args.temperature,
+            return_entropy=return_entropy,
+        )
+    return grpo.trunk_logprobs(
+        chunk.trunk,
+        chunk.completion_ids,
+        temperature=args.temperature,
+        return_entropy=return_entropy,
+        gradient_checkpointing=args.gradient_checkpointing,
+        **decoder_parts(model, args.lora_last_k),
+    )
+
+
+def enable_plain_checkpointing(model) -> None:
+    """transformers' non-reentrant checkpointing of every block, for the plain path (--no-trunk-reuse)."""
+    # transformers >= 5.23 renamed gradient_checkpointing_enable (deprecated until v6) to this.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@torch.no_grad()
+def no_grad_logprobs(model, chunks: list[RowChunk], args: Args) -> torch.Tensor:
+    """old_logp or ref_logp (N, T), chunk by chunk (call inside adapters_disabled for the reference)."""
+    return torch.cat([chunk_logprobs(model, chunk, args)[0] for chunk in chunks])
+
+
+# --------------------------------------------------------------------------------------------------
 # One step: rollout (no grad) and policy update (grad)
 
 
@@ -238,6 +333,7 @@ class Rollout:
     adv: torch.Tensor  # (N,)
     old_logp: torch.Tensor | None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None  # (N, T), only when beta > 0
+    chunks: list[RowChunk] = dataclasses.field(default_factory=list)  # micro-batches, trunks captured
 
 
 @torch.no_grad()
@@ -252,7 +348,8 @@ def rollout(
     model.eval()
     completion_ids, _ = grpo.sample_completions(
         model,
-        inputs,
+        batch.inputs,  # the B prompts: generate encodes each image once, then expands to the N rows
+        num_return_sequences=G,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -273,18 +370,67 @@ def rollout(
     adv = grpo.group_advantages(reward, G, scale=args.adv_scale, clip=args.adv_clip)
     # Old log-probs are only needed when the same rollout is reused for mu > 1 optimizer steps;
     # with mu = 1 the ratio's denominator is the (detached) recompute itself.
+    # With --trunk-reuse the vision tower and the frozen blocks run here once; old, ref and policy reuse them.
+    chunks = make_chunks(model, inputs, completion_ids, args)
     old_logp = None
     if args.num_iterations > 1:
-        old_logp, _ = grpo.completion_logprobs(model, inputs, completion_ids, temperature=args.temperature)
+        old_logp = no_grad_logprobs(model, chunks, args)
     ref_logp = None
     if args.beta > 0:
         with lora.adapters_disabled(model):  # the reference policy: same weights, no adapters
-            ref_logp, _ = grpo.completion_logprobs(
-                model, inputs, completion_ids, temperature=args.temperature
-            )
+            ref_logp = no_grad_logprobs(model, chunks, args)
     return Rollout(
-        inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, old_logp, ref_logp
+        inputs,
+        completion_ids,
+        mask,
+        truncated,
+        texts,
+        samples,
+        reward,
+        components,
+        adv,
+        old_logp,
+        ref_logp,
+        chunks=chunks,
     )
+
+
+def accumulate_policy_gradient(
+    model, ro: Rollout, args: Args, beta: float
+) -> tuple[float, dict[str, float], torch.Tensor]:
+    """Recompute logp with grad and backward the GRPO loss, one micro-batch at a time (gradient accumulation).
+
+    Every chunk's loss is normalised by the whole batch (num_rows = N, num_tokens = all unmasked tokens), so
+    the accumulated gradient equals the unchunked one for every loss_type (grpo.aggregate). Returns the loss,
+    its stats (token means, re-weighted by each chunk's share of the tokens) and the entropy (N, T).
+    """
+    if not ro.chunks:  # NOTE: a Rollout built by hand without make_chunks would otherwise train on nothing
+        raise ValueError("rollout has no chunks; build it with rollout() or make_chunks()")
+    num_rows, num_tokens = ro.mask.shape[0], ro.mask.sum().clamp(min=1)
+    loss_sum, stats_sum, entropies = 0.0, {}, []
+    for chunk in ro.chunks:
+        rows = chunk.rows
+        logp, entropy = chunk_logprobs(model, chunk, args, return_entropy=True)  # (n, T) with grad
+        loss, stats = grpo.grpo_loss(
+            logp,
+            ro.old_logp[rows] if ro.old_logp is not None else logp.detach(),
+            ro.ref_logp[rows] if ro.ref_logp is not None else None,
+            ro.adv[rows],
+            ro.mask[rows],
+            clip_eps_low=args.clip_eps_low,
+            clip_eps_high=args.clip_eps_high,
+            beta=beta,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_new_tokens,
+            num_rows=num_rows,
+            num_tokens=num_tokens,
+        )
+        loss.backward()  # frees this chunk's activations before the next chunk's forward
+        loss_sum += loss.item()
+        share = ro.mask[rows].sum().item() / num_tokens.item()
+        stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
+        entropies.append(entropy)
+    return loss_sum, stats_sum, torch.cat(entropies)
 
 
 def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: float) -> dict[str, float]:
@@ -292,29 +438,13 @@ def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: fl
     model.train()  # only LoRA dropout reacts to this; the base has no dropout
     params = lora.lora_parameters(model)
     for _ in range(args.num_iterations):
-        logp, entropy = grpo.completion_logprobs(
-            model, ro.inputs, ro.completion_ids, temperature=args.temperature, return_entropy=True
-        )  # (N, T), carries gradient into the LoRA parameters
-        old_logp = ro.old_logp if ro.old_logp is not None else logp.detach()
-        loss, stats = grpo.grpo_loss(
-            logp,
-            old_logp,
-            ro.ref_logp,
-            ro.adv,
-            ro.mask,
-            clip_eps_low=args.clip_eps_low,
-            clip_eps_high=args.clip_eps_high,
-            beta=beta,
-            loss_type=args.loss_type,
-            max_completion_length=args.max_new_tokens,
-        )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, stats, entropy = accumulate_policy_gradient(model, ro, args, beta)  # recompute + backward
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         optimizer.step()
     scheduler.step()
     model.eval()
-    stats.update(loss=loss.item(), grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
+    stats.update(loss=loss, grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
     stats["entropy"] = (entropy * ro.mask).sum().item() / ro.mask.sum().item()
     return stats
 
@@ -429,6 +559,8 @@ def main(args: Args) -> dict:
     wrapped = lora.inject_lora(
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
     )
+    if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself
+        enable_plain_checkpointing(model)
     params = lora.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)

@@ -1,0 +1,261 @@
+"""The speed-ups change nothing: each is checked against the plain path it replaces (fp32, CPU, tight tolerance).
+
+Frozen-trunk reuse (grpo.capture_trunk + grpo.trunk_logprobs) against the full forward of
+grpo.completion_logprobs, micro-batching (train.accumulate_policy_gradient) against one unchunked backward, and
+gradient checkpointing against no checkpointing. Models: the random Qwen2.5-VL (6 blocks, with images) and the
+random Qwen2 causal LM (4 blocks, left padding) from conftest.py, LoRA in the last K = 2 blocks with B != 0.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_random_causal_lm, make_random_vlm
+from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
+
+import grpo
+import lora
+import train
+
+K = 2  # adapted blocks
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:
+    """A random model with LoRA in its last K blocks and random (non-zero) B, so the adapters matter."""
+    model = make_random_vlm() if kind == "vlm" else make_random_causal_lm()
+    lora.inject_lora(model, last_k=K, r=4, alpha=8.0, dropout=dropout)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def inputs_for(kind: str) -> dict[str, torch.Tensor]:
+    return vlm_inputs(group_size=3) if kind == "vlm" else text_inputs(group_size=3)  # N = 6 rows
+
+
+def logprobs_and_grads(model, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """logp, entropy and the LoRA gradients of a random linear function of logp (reaches every position)."""
+    model.zero_grad(set_to_none=True)
+    logp, entropy = logprobs_fn()
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(2))
+    (logp * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logp.detach(), entropy, grads
+
+
+def assert_same(a, b, atol=1e-5):
+    logp_a, entropy_a, grads_a = a
+    logp_b, entropy_b, grads_b = b
+    torch.testing.assert_close(logp_a, logp_b, atol=atol, rtol=0)
+    torch.testing.assert_close(entropy_a, entropy_b, atol=atol, rtol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 7 * 2 * K  # A and B of 7 linears per block
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], atol=atol, rtol=0, msg=name)
+
+
+# --- frozen-trunk reuse -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["vlm", "text"])
+def test_trunk_logprobs_and_lora_gradients_equal_the_full_forward(kind):
+    model, inputs, ids = lora_model(kind), inputs_for(kind), hand_completions()
+    parts = train.decoder_parts(model, K)
+    plain = logprobs_and_grads(
+        model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=0.7, return_entropy=True)
+    )
+    trunk = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    assert not trunk.hidden_states.requires_grad  # nothing flows back into the trunk
+    ours = logprobs_and_grads(
+        model, lambda: grpo.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
+    )
+    assert_same(ours, plain)
+    assert all(grad.abs().sum() > 0 for grad in plain[2].values())  # every LoRA weight is exercised
+
+
+@pytest.mark.parametrize("kind", ["vlm", "text"])
+def test_reference_through_the_trunk_with_adapters_disabled_equals_the_plain_reference(kind):
+    model, inputs, ids = lora_model(kind), inputs_for(kind), hand_completions()
+    parts = train.decoder_parts(model, K)
+    # Captured with the adapters ON: none sits in the trunk, so the reference can share it.
+    trunk = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    with torch.no_grad(), lora.adapters_disabled(model):
+        ref_plain, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
+        ref_trunk, _ = grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
+    with torch.no_grad():
+        policy, _ = grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
+    torch.testing.assert_close(ref_trunk, ref_plain, atol=1e-5, rtol=0)
+    assert not torch.allclose(policy, ref_plain, atol=1e-3)  # the adapters were really off
+
+
+def test_trunk_capture_stops_before_the_adapted_blocks_and_encodes_images_once():
+    model, inputs, ids = lora_model("vlm"), inputs_for("vlm"), hand_completions()
+    parts = train.decoder_parts(model, K)
+    calls = {"visual": 0, "last_block": 0}
+    model.model.visual.register_forward_hook(lambda *_: calls.__setitem__("visual", calls["visual"] + 1))
+    parts["blocks"][-1].register_forward_hook(
+        lambda *_: calls.__setitem__("last_block", calls["last_block"] + 1)
+    )
+    trunk = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    assert calls == {"visual": 1, "last_block": 0}
+    grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # policy
+    with torch.no_grad(), lora.adapters_disabled(model):
+        grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # reference
+    assert calls == {"visual": 1, "last_block": 2}
+
+
+def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
+    model = make_random_causal_lm()
+    lora.inject_lora(model, last_k=3, r=2, alpha=2.0)  # LoRA in blocks 1-3: block 1 is in a K = 2 trunk
+    inputs, ids = text_inputs(group_size=3), hand_completions()
+    _, blocks = lora.find_decoder_blocks(model)
+    with pytest.raises(ValueError, match="trainable"):
+        grpo.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=2)
+    with pytest.raises(ValueError, match="first_adapted"):
+        grpo.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=len(blocks))
+
+
+def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_image_encoded_once():
+    model, G = make_random_vlm(), 3
+    encodings = []
+    model.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: encodings.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+    )
+    kwargs = dict(
+        max_new_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        eos_token_id=1,
+        pad_token_id=0,
+        suppress_token_ids=SUPPRESS,
+        return_logprobs=True,
+    )
+    torch.manual_seed(0)
+    repeated, repeated_logp = grpo.sample_completions(model, vlm_inputs(group_size=G), **kwargs)
+    torch.manual_seed(0)
+    once, once_logp = grpo.sample_completions(
+        model, vlm_inputs(group_size=1), num_return_sequences=G, **kwargs
+    )
+    assert torch.equal(once, repeated)
+    torch.testing.assert_close(once_logp, repeated_logp, atol=1e-5, rtol=0)
+    assert encodings == [3 * G, 3]  # 3 images (2 + 1) in the 2 prompts
+
+
+# --- micro-batching -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4])
+def test_split_rows_gives_each_chunk_exactly_its_own_images(chunk_size):
+    model, inputs, ids = make_random_vlm(), inputs_for("vlm"), hand_completions()
+    chunks = grpo.split_rows(inputs, chunk_size)
+    assert [c[0] for c in chunks] == [slice(a, min(a + chunk_size, 6)) for a in range(0, 6, chunk_size)]
+    with torch.no_grad():
+        whole, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
+        pieces = [grpo.completion_logprobs(model, c, ids[rows], temperature=1.0)[0] for rows, c in chunks]
+    torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=0)
+
+
+def hand_rollout(model, args: train.Args) -> train.Rollout:
+    """A rollout of the random VLM with off-policy old_logp and a distinct ref_logp, so every term is live."""
+    inputs, ids = inputs_for("vlm"), hand_completions()
+    mask, truncated = grpo.completion_mask(ids, eos_token_id=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, inputs, ids, temperature=args.temperature)
+    old_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)  # ratios far enough from 1 to clip
+    ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)
+    adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
+    chunks = train.make_chunks(model, inputs, ids, args)
+    reward = torch.zeros(6)
+    return train.Rollout(inputs, ids, mask, truncated, [], [], reward, {}, adv, old_logp, ref_logp, chunks)
+
+
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+def test_micro_batched_gradients_equal_unchunked_for_every_loss_type(loss_type):
+    model = lora_model("vlm")
+    results = {}
+    # (trunk_reuse, micro_batch_size); 4 gives uneven chunks (4 + 2) that cut between the prompts' rows.
+    for trunk_reuse, micro_batch_size in ((False, None), (False, 4), (True, 4), (True, 1)):
+        args = train.Args(
+            lora_last_k=K,
+            loss_type=loss_type,
+            beta=0.1,
+            temperature=0.7,
+            max_new_tokens=5,
+            num_iterations=2,
+            trunk_reuse=trunk_reuse,
+            micro_batch_size=micro_batch_size,
+        )
+        model.zero_grad(set_to_none=True)
+        loss, stats, entropy = train.accumulate_policy_gradient(model, hand_rollout(model, args), args, 0.1)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results[trunk_reuse, micro_batch_size] = (loss, stats, entropy, grads)
+    loss, stats, entropy, grads = results[False, None]  # the plain path: one full forward, no chunks
+    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0  # the clip is active somewhere
+    for key, (loss2, stats2, entropy2, grads2) in results.items():
+        assert loss2 == pytest.approx(loss, abs=1e-6), key
+        assert stats2 == pytest.approx(stats, abs=1e-6), key
+        torch.testing.assert_close(entropy2, entropy, atol=1e-5, rtol=0)
+        for name in grads:
+            torch.testing.assert_close(grads2[name], grads[name], atol=1e-6, rtol=1e-5, msg=f"{key} {name}")
+
+
+# --- gradient checkpointing ---------------------------------------------------------------------------------
+
+
+def test_gradient_checkpointing_gives_identical_gradients_with_lora_dropout():
+    model, inputs, ids = lora_model("vlm", dropout=0.1), inputs_for("vlm"), hand_completions()
+    model.train()  # dropout on: the checkpoint must replay the same dropout masks
+    parts = train.decoder_parts(model, K)
+    trunk = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+
+    def run(checkpointed: bool):
+        torch.manual_seed(0)
+        return logprobs_and_grads(
+            model,
+            lambda: grpo.trunk_logprobs(
+                trunk, ids, temperature=1.0, return_entropy=True, gradient_checkpointing=checkpointed, **parts
+            ),
+        )
+
+    assert_same(run(True), run(False), atol=1e-6)
+    # The plain path uses transformers' own (non-reentrant) checkpointing, as train.main sets it up.
+    torch.manual_seed(0)
+    plain = logprobs_and_grads(
+        model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=True)
+    )
+    train.enable_plain_checkpointing(model)
+    torch.manual_seed(0)
+    checkpointed = logprobs_and_grads(
+        model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=True)
+    )
+    assert_same(checkpointed, plain, atol=1e-6)
+
+
+# --- benchmark ----------------------------------------------------------------------------------------------
+
+
+def test_bench_quick_runs_and_prints_every_phase():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for phase in ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer", "step", "encodings"):
+        assert phase in out.stdout, phase
