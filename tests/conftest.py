@@ -2,13 +2,18 @@
 
 `random_vlm` is a Qwen2.5-VL with 6 decoder blocks and a 2-block vision tower; `random_causal_lm` is a
 Qwen2 text-only causal LM with 4 blocks. Both are fp32, eval mode, seeded, and small enough that a
-forward pass takes milliseconds on a CPU. Token ids below `SPECIAL_IDS` are reserved for the vision
+forward pass takes milliseconds on a CPU. Token ids 0-6 (the constants below) are reserved for the vision
 markers so that tests can build image prompts by hand.
+
+Tests run torch on one thread: the models are tiny, and on a 2-core machine the per-op thread start-up of a
+multi-threaded matmul costs more than the matmul (the suite is several times faster this way).
 """
 
 import pytest
 import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM
+
+torch.set_num_threads(1)
 
 # Token ids of the random VLM (it has no tokenizer; tests write ids directly).
 PAD_ID = 0
