@@ -277,14 +277,17 @@ def _wants_completion_length(fn: RewardFn) -> bool:
     return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def _describe(index: int, sample: Mapping[str, Any]) -> str:
+    return f"completion {index}" + (f" (sample id {sample['id']!r})" if "id" in sample else "")
+
+
 def _checked_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> float:
     # numbers.Real admits int, float and numpy scalars; bool is an int subclass but almost always a bug
     # (a forgotten float()), and a non-finite reward would poison the group's mean and std.
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    where = f"completion {index}" + (f" (sample id {sample['id']!r})" if "id" in sample else "")
     raise ValueError(
-        f"reward {name!r} returned {value!r} ({type(value).__name__}) for {where}; "
+        f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
         "rewards must return a finite int or float"
     )
 
@@ -309,17 +312,19 @@ def score(
         raise ValueError(f"reward names must be unique, got {names}")
     components: dict[str, list[float]] = {}
     for r in rewards:
-        if _wants_completion_length(r.fn):
-            if completion_lengths is None:
-                raise ValueError(
-                    f"reward {r.name!r} needs completion_lengths= (it declares completion_length)"
-                )
-            raw = [
-                r.fn(c, s, completion_length=n) for c, s, n in zip(completions, samples, completion_lengths)
-            ]
-        else:
-            raw = [r.fn(c, s) for c, s in zip(completions, samples)]
-        components[r.name] = [_checked_value(v, r.name, i, s) for i, (v, s) in enumerate(zip(raw, samples))]
+        wants_length = _wants_completion_length(r.fn)
+        if wants_length and completion_lengths is None:
+            raise ValueError(f"reward {r.name!r} needs completion_lengths= (it declares completion_length)")
+        values = []
+        for i, (completion, sample) in enumerate(zip(completions, samples)):
+            kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
+            try:
+                value = r.fn(completion, sample, **kwargs)
+            except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
+                e.add_note(f"raised by reward {r.name!r} on {_describe(index=i, sample=sample)}")
+                raise
+            values.append(_checked_value(value, r.name, i, sample))
+        components[r.name] = values
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
     total = []
     for i in range(len(completions)):

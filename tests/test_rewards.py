@@ -489,3 +489,12 @@ def test_rewards_module_imports_only_the_standard_library():
             assert node.level == 0, "relative import in rewards.py"
             imported.add(node.module.split(".")[0])
     assert imported - set(sys.stdlib_module_names) == set()
+
+
+def test_a_reward_that_raises_is_not_swallowed_and_the_error_names_the_reward_and_sample():
+    def judge(completion, sample):
+        raise RuntimeError("judge model unreachable")
+
+    with pytest.raises(RuntimeError, match="judge model unreachable") as info:
+        score(["通过\n理由: ok"], [{"id": "s7", "label": "通过"}], [Reward("judge", judge)])
+    assert any("reward 'judge'" in note and "'s7'" in note for note in info.value.__notes__)
