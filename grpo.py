@@ -29,6 +29,7 @@ Speed-ups, each an exact re-arrangement of that pipeline (tests/test_speed.py co
 - Frozen-trunk reuse: with LoRA only in the last K of L blocks, the vision tower and the first L - K blocks
   compute the same activations for policy, old policy and reference. `capture_trunk` runs them once, without
   grad, and keeps what block L - K receives; `trunk_logprobs` runs only the K adapted blocks from there.
+  The G rows of a prompt share its images, so the capture encodes each of them once, not G times.
 - Micro-batches: `split_rows` cuts the N rows (and their images) into chunks; `aggregate` takes the whole
   batch's num_rows / num_tokens, so the accumulated gradient equals the unchunked one.
 - Memory: `selective_log_softmax` never holds an (N, T, V) log-softmax; `trunk_logprobs` can checkpoint the
@@ -58,6 +59,7 @@ Choices, where the literature differs:
   the first ratio exactly 1 (generate's KV-cache path agrees only to rounding, which matters in bf16).
 """
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -358,15 +360,29 @@ def completion_logprobs(
 # and gradients against it.
 
 
+def _images_per_row(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N,) images in each row, counted as runs of 1s in mm_token_type_ids (checked against the grid count).
+
+    Qwen-VL wraps every image in <|vision_start|> .. <|vision_end|> text tokens, so two images never merge into
+    one run.
+    """
+    is_image = inputs["mm_token_type_ids"] == 1  # (N, P)
+    before = torch.cat([torch.zeros_like(is_image[:, :1]), is_image[:, :-1]], dim=1)  # (N, P) shifted right
+    images_per_row = (is_image & ~before).sum(dim=1)  # (N,) one run start per image
+    num_grids = inputs["image_grid_thw"].shape[0]
+    if int(images_per_row.sum()) != num_grids:
+        raise ValueError(f"mm_token_type_ids has {int(images_per_row.sum())} image runs, {num_grids} grids")
+    return images_per_row
+
+
 def split_rows(
     inputs: dict[str, torch.Tensor], chunk_size: int
 ) -> list[tuple[slice, dict[str, torch.Tensor]]]:
     """Cut N prompt rows into consecutive chunks of at most `chunk_size` rows, each with only its own images.
 
     Returns (rows, chunk inputs) pairs for micro-batching. (N, P) tensors are sliced by rows; the flat
-    `pixel_values` (patches, D) and `image_grid_thw` (images, 3) are cut where the chunk's images end. A row's
-    images are counted as runs of 1s in mm_token_type_ids: Qwen-VL wraps every image in <|vision_start|> ..
-    <|vision_end|> text tokens, so two images never merge into one run (checked against the grid count).
+    `pixel_values` (patches, D) and `image_grid_thw` (images, 3) are cut where the chunk's images end (a row's
+    images are counted by `_images_per_row`).
     NOTE: a chunk whose rows carry no image drops the image keys (the model cannot encode zero images).
     """
     if chunk_size < 1:
@@ -377,14 +393,8 @@ def split_rows(
     row_keys = [k for k in ("input_ids", "attention_mask", "mm_token_type_ids") if k in inputs]
     if "image_grid_thw" not in inputs:
         return [(slice(a, b), {k: inputs[k][a:b] for k in row_keys}) for a, b in bounds]
-    is_image = inputs["mm_token_type_ids"] == 1  # (N, P)
-    before = torch.cat([torch.zeros_like(is_image[:, :1]), is_image[:, :-1]], dim=1)  # (N, P) shifted right
-    images_per_row = (is_image & ~before).sum(dim=1)  # (N,) one run start per image
     grid = inputs["image_grid_thw"]  # (images, 3)
-    if int(images_per_row.sum()) != grid.shape[0]:
-        raise ValueError(
-            f"mm_token_type_ids has {int(images_per_row.sum())} image runs, {grid.shape[0]} grids"
-        )
+    images_per_row = _images_per_row(inputs)  # (N,)
     first_image = [0, *images_per_row.cumsum(0).tolist()]  # (N + 1,) index of each row's first image
     first_patch = [0, *grid.prod(-1).cumsum(0).tolist()]  # (images + 1,) t * h * w patches per image
     chunks = []
@@ -436,6 +446,48 @@ def _check_frozen_trunk(
         )
 
 
+def _accepts_encoder_outputs(model: torch.nn.Module) -> bool:
+    """Whether the model takes precomputed image features (`mm_encoder_outputs`, transformers >= 5)."""
+    # NOTE: a forward without the parameter would swallow it in **kwargs and leave the image tokens unfilled.
+    parameters = inspect.signature(model.forward).parameters
+    return hasattr(model, "get_image_features") and "mm_encoder_outputs" in parameters
+
+
+def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+    """The vision tower's output for every image of the rows, each run of identical rows encoded only once.
+
+    The N rows hold each prompt's images G times, in consecutive rows (`repeat_interleave` order). A row whose
+    grids and pixels equal the previous row's (compared exactly) reuses that row's embeddings, so the tower sees
+    the B prompts' images, not the N rows' (fewer if neighbouring prompts carry identical photos). Returns what the model's own `get_image_features` returns, with its
+    per-image tuples (`pooler_output`, and Qwen3-VL's `deepstack_features`) re-indexed to one entry per image
+    of the N rows, in row order: what the forward accepts as `mm_encoder_outputs["image"]` in place of
+    `pixel_values`. Repeated entries are the same tensors, not copies.
+    NOTE: equal to encoding every row up to rounding (the tower's matmuls see fewer patches at once); on CPU
+    fp32 the trunk's hidden states came out bit-identical.
+    """
+    images_per_row = _images_per_row(inputs).tolist()  # (N,)
+    row_grids = inputs["image_grid_thw"].split(images_per_row)  # N blocks of (images of the row, 3)
+    row_pixels = inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in row_grids])  # t * h * w patches
+    encoded, source = [], []  # rows to encode; for each image of the N rows, its index among the encoded ones
+    num_encoded = 0
+    for r, n in enumerate(images_per_row):
+        same = r > 0 and torch.equal(row_grids[r], row_grids[r - 1])  # shapes differ -> False, no error
+        if not (same and torch.equal(row_pixels[r], row_pixels[r - 1])):
+            encoded.append(r)
+            num_encoded += n
+        # A repeat of the previous row points at the last n encoded images: that row's (by induction).
+        source += range(num_encoded - n, num_encoded)
+    pixels = torch.cat([row_pixels[r] for r in encoded])  # (patches of the encoded rows, D)
+    grids = torch.cat([row_grids[r] for r in encoded])  # (encoded images, 3)
+    features = model.get_image_features(pixels, grids, return_dict=True)
+    features.pooler_output = tuple(features.pooler_output[i] for i in source)  # (tokens of image i, H) each
+    if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
+        features.deepstack_features = [
+            tuple(layer[i] for i in source) for layer in features.deepstack_features
+        ]
+    return features
+
+
 @torch.no_grad()
 def capture_trunk(
     model: torch.nn.Module,
@@ -450,6 +502,8 @@ def capture_trunk(
     Same inputs as `completion_logprobs`. A forward pre-hook records the block's hidden states and keyword
     arguments, so the model's own code builds the masks and (m)RoPE, none of it re-implemented here; then it
     raises to stop the forward, which skips the K adapted blocks and the LM head (their output is not needed).
+    Images shared by consecutive rows (a prompt's G copies) go through the vision tower once
+    (`_encode_images_once`); a prompt whose rows fall into several micro-batches is encoded once per chunk.
     The adapters may be on or off: none sits in the trunk (checked: no trainable parameter outside
     blocks[first_adapted:]).
     NOTE: assumptions, true for Qwen2 / Qwen2.5-VL, stated for other models: every adapted block receives the
@@ -463,9 +517,14 @@ def capture_trunk(
         hidden_states = args[0] if args else kwargs.pop("hidden_states")
         raise _TrunkCaptured(hidden_states, dict(kwargs))
 
+    kwargs = _recompute_kwargs(inputs, completion_ids)
+    if "pixel_values" in kwargs and _accepts_encoder_outputs(model):
+        # The G rows of a prompt share its images: encode them once, hand the forward the embeddings.
+        del kwargs["pixel_values"]
+        kwargs["mm_encoder_outputs"] = {"image": _encode_images_once(model, inputs)}
     handle = blocks[first_adapted].register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        model(**_recompute_kwargs(inputs, completion_ids), logits_to_keep=1, use_cache=False)
+        model(**kwargs, logits_to_keep=1, use_cache=False)
     except _TrunkCaptured as captured:
         return Trunk(captured.hidden_states.detach(), captured.block_kwargs)
     finally:

@@ -17,9 +17,14 @@ inputs in data.py and loading/checkpoints in model_io.py; this file only wires t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
+import os
+import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -121,6 +126,8 @@ class Args:
     """Adaptive KL: the factor beta is multiplied or divided by."""
     adv_clip: float | None = None
     """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
+    mask_truncated: bool = False
+    """Drop completions that hit --max-new-tokens without EOS from the loss (DAPO's overlong filtering)."""
 
     # --- optimisation ---
     steps: int = 100
@@ -132,6 +139,9 @@ class Args:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     """Gradient-norm clipping of the LoRA gradients."""
+    max_bad_steps: int = 3
+    """A step whose loss or gradient is not finite is skipped (and logged); more than this many in a row
+    stop the run with a checkpoint."""
 
     # --- speed (each one leaves the results unchanged; tests/test_speed.py) ---
     trunk_reuse: bool = True
@@ -361,6 +371,8 @@ def rollout(
     texts = tokenizer.batch_decode(
         completion_ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
     )
+    if args.mask_truncated:  # NOTE: they are still scored and logged, they just carry no gradient
+        mask = mask & ~truncated[:, None]
     samples = [s for s in prompts for _ in range(G)]
     scores = rewards.score(texts, samples, reward_fns, completion_lengths=mask.sum(1).tolist())
     reward = torch.tensor(scores.total, dtype=torch.float32, device=device)
@@ -434,17 +446,26 @@ def accumulate_policy_gradient(
 
 
 def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: float) -> dict[str, float]:
-    """num_iterations optimizer steps on one rollout; returns the last iteration's loss statistics."""
+    """num_iterations optimizer steps on one rollout; returns the last iteration's loss statistics.
+
+    NOTE: a non-finite loss or gradient norm skips the optimizer step (the LoRA weights stay as they were)
+    and is reported in the stats as `skipped` with its cause; the caller counts and logs it.
+    """
     model.train()  # only LoRA dropout reacts to this; the base has no dropout
     params = lora.lora_parameters(model)
+    skipped = ""
     for _ in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss, stats, entropy = accumulate_policy_gradient(model, ro, args, beta)  # recompute + backward
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        if not math.isfinite(loss) or not torch.isfinite(grad_norm):
+            skipped = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
+            optimizer.zero_grad(set_to_none=True)
+            break
         optimizer.step()
-    scheduler.step()
+    scheduler.step()  # the schedule follows the step count, skipped or not
     model.eval()
-    stats.update(loss=loss, grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0])
+    stats.update(loss=loss, grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0], skipped=skipped)
     stats["entropy"] = (entropy * ro.mask).sum().item() / ro.mask.sum().item()
     return stats
 
@@ -489,6 +510,7 @@ def append_jsonl(path: Path, record: dict) -> None:
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
+        os.fsync(f.fileno())
 
 
 def progress(step: int, total: int, stats: dict, seconds: float) -> None:
@@ -549,13 +571,17 @@ def main(args: Args) -> dict:
     metrics_path = out / "metrics.jsonl"
     if metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run):
         raise SystemExit(f"{out} already holds a run; pass --resume {out} to continue it or --overwrite")
-    torch.manual_seed(args.seed)
 
-    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    # Everything a user can get wrong fails here, before the first rollout: data, images, prompt lengths,
+    # rewards, model path, LoRA placement.
     train_samples, held_out = load_samples(args)
-    task = None if args.data else args.task
-    reward_fns = resolve_rewards(args, task)
+    reward_fns = resolve_rewards(args, None if args.data else args.task)
     accuracy_name = args.accuracy_reward or reward_fns[0].name
+    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    data.check_samples(
+        train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
+    )
+    torch.manual_seed(args.seed)  # LoRA's A init, then sampling
     wrapped = lora.inject_lora(
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
     )
@@ -565,7 +591,6 @@ def main(args: Args) -> dict:
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     n_trainable = sum(p.numel() for p in params)
-
     if args.dry_run:
         return dry_run(
             model, tokenizer, image_processor, train_samples, reward_fns, args, device, wrapped, n_trainable
@@ -576,54 +601,88 @@ def main(args: Args) -> dict:
         start_step, beta = resume_from(args.resume, model, optimizer, scheduler, metrics_path)
     elif args.overwrite and out.exists():
         metrics_path.unlink(missing_ok=True)
+        # NOTE: the old run's checkpoints too: a stale checkpoint-000100 would outrank this run's newer ones,
+        # so keep_last pruning would delete those and --resume would load the old run.
+        for old in model_io.list_checkpoints(out):
+            shutil.rmtree(old)
     out.mkdir(parents=True, exist_ok=True)
     print(
-        f"model {args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
-        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; device {device}, {dtype}"
+        f"{args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
+        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; {device}, {dtype}"
     )
-
-    t_start = time.time()
+    evaluate_ = functools.partial(
+        evaluate, model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
+    )
     if start_step == 0:
-        first = (
-            {
-                "step": 0,
-                **evaluate(
-                    model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
-                ),
-            }
-            if held_out
-            else {"step": 0}
-        )
-        append_jsonl(metrics_path, first)
-    for step in range(start_step + 1, args.steps + 1):
-        t0 = time.time()
-        prompts = batch_for_step(train_samples, step - 1, args.batch_size, args.seed)
-        ro = rollout(
-            model, tokenizer, image_processor, prompts, reward_fns, args, device
-        )  # sample + score + adv
-        t1 = time.time()
-        stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute + loss + step
-        correct = ro.components[accuracy_name] >= 1.0
-        record = {
-            "step": step,
-            **stats,
-            **grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size),
-        }
-        record.update(beta=beta, time_rollout=t1 - t0, time_update=time.time() - t1)
-        beta = next_beta(beta, stats, args)
-        if held_out and (step % args.eval_every == 0 or step == args.steps):
-            record.update(
-                evaluate(model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device)
+        append_jsonl(metrics_path, {"step": 0, **(evaluate_() if held_out else {})})
+
+    t_start, bad_in_a_row = time.time(), 0
+    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
+        for step in range(start_step + 1, args.steps + 1):
+            t0 = time.time()
+            prompts = batch_for_step(train_samples, step - 1, args.batch_size, args.seed)
+            ro = rollout(
+                model, tokenizer, image_processor, prompts, reward_fns, args, device
+            )  # sample, score
+            t1 = time.time()
+            stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute, loss, step
+            record = {"step": step, "beta": beta, **stats, **rollout_metrics(ro, accuracy_name, args)}
+            beta = next_beta(beta, stats, args)
+            if held_out and (step % args.eval_every == 0 or step == args.steps):
+                record.update(evaluate_())
+            append_jsonl(metrics_path, record)
+            append_jsonl(
+                out / "timings.jsonl", {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
             )
-        append_jsonl(metrics_path, record)
-        progress(step, args.steps, record, time.time() - t_start)
-        if step % args.save_every == 0 or step == args.steps:
-            save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
+            progress(step, args.steps, record, time.time() - t_start)
+            bad_in_a_row = bad_in_a_row + 1 if stats["skipped"] else 0
+            if stats["skipped"]:
+                print(f"\nstep {step}: optimizer step skipped ({stats['skipped']}); {bad_in_a_row} in a row")
+            halt = stop or (bad_in_a_row > args.max_bad_steps and [f"{bad_in_a_row} bad steps in a row"])
+            if step % args.save_every == 0 or step == args.steps or halt:
+                save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
+            if halt:
+                raise SystemExit(
+                    f"\nstopped after step {step} ({halt[0]}); checkpoint written. "
+                    f"Continue with: python train.py --resume {out} <the same flags>"
+                )
     print()
     lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     plot_curves(records, out / "curves.png")
     return summarise(records, out, time.time() - t_start)
+
+
+def rollout_metrics(ro: Rollout, accuracy_name: str, args: Args) -> dict[str, float]:
+    """grpo.rollout_metrics plus the share of empty completions (EOS as the first token)."""
+    correct = ro.components[accuracy_name] >= 1.0
+    metrics = grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size)
+    empty = (ro.mask.sum(dim=1) == 1) & ~ro.truncated  # (N,) the EOS alone: the model chose to say nothing
+    metrics["frac_empty"] = empty.float().mean().item()
+    return metrics
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Turn SIGINT / SIGTERM into a request (a non-empty list) that the loop honours after the current step.
+
+    The previous handlers are restored on exit, so importing or calling `main` changes nothing global.
+    A second Ctrl-C while a request is pending interrupts at once (KeyboardInterrupt), as usual.
+    """
+    requests: list[str] = []
+
+    def handler(signum, frame):
+        if requests and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requests.append(signal.Signals(signum).name)
+        print(f"\n{requests[-1]} received: finishing the current step, then writing a checkpoint", flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requests
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def next_beta(beta: float, stats: dict[str, float], args: Args) -> float:

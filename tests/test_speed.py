@@ -114,6 +114,47 @@ def test_trunk_capture_stops_before_the_adapted_blocks_and_encodes_images_once()
     assert calls == {"visual": 1, "last_block": 2}
 
 
+def count_encoded_images(model) -> list[int]:
+    """Images per vision-tower call (rows of its grid_thw), appended by a forward hook."""
+    encoded = []
+    model.model.visual.register_forward_hook(
+        lambda module, args, kwargs, out: encoded.append(kwargs["grid_thw"].shape[0]), with_kwargs=True
+    )
+    return encoded
+
+
+@pytest.mark.parametrize("micro_batch_size, expected", [(None, [3]), (4, [3, 1])])
+def test_a_trunk_step_encodes_each_prompts_images_once_not_once_per_row(micro_batch_size, expected):
+    model = lora_model("vlm")  # 2 prompts with 2 + 1 images, G = 3: the N = 6 rows hold 9 images
+    args = train.Args(lora_last_k=K, beta=0.1, num_iterations=2, micro_batch_size=micro_batch_size)
+    ro = hand_rollout(model, args)  # captures the trunk (its own plain log-probs run before the hook)
+    encoded = count_encoded_images(model)
+    ro.chunks = train.make_chunks(model, ro.inputs, ro.completion_ids, args)
+    train.no_grad_logprobs(model, ro.chunks, args)  # old policy
+    with lora.adapters_disabled(model):
+        train.no_grad_logprobs(model, ro.chunks, args)  # reference
+    train.accumulate_policy_gradient(model, ro, args, 0.1)
+    # B * images once per step; micro-batches of 4 + 2 rows encode prompt 1 (1 image) in both chunks.
+    assert encoded == expected
+
+
+def test_rows_with_different_images_are_each_encoded_and_match_the_full_forward():
+    model, inputs, ids = lora_model("vlm"), inputs_for("vlm"), hand_completions()
+    inputs["pixel_values"] = torch.randn(
+        inputs["pixel_values"].shape, generator=torch.Generator().manual_seed(4)
+    )
+    parts = train.decoder_parts(model, K)
+    encoded = count_encoded_images(model)
+    trunk = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    assert encoded == [9]  # no two rows share pixels, so nothing is reused
+    with torch.no_grad():
+        ours, _ = grpo.trunk_logprobs(trunk, ids, temperature=0.7, **parts)
+        plain, _ = grpo.completion_logprobs(model, inputs, ids, temperature=0.7)
+    torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
+
+
 def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
     model = make_random_causal_lm()
     lora.inject_lora(model, last_k=3, r=2, alpha=2.0)  # LoRA in blocks 1-3: block 1 is in a K = 2 trunk
