@@ -648,15 +648,16 @@ def aggregate(
     """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it.
 
         "grpo"    (1 / num_rows) * sum_i (sum_t m_it x_it) / L_i       mean per sequence, then over sequences
-        "bnpo"    sum_it m_it x_it / num_tokens                         mean over this batch's tokens
+        "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
         "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
         "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
 
     num_rows defaults to N and num_tokens to sum(m) of this call. A caller that splits one batch into
     micro-batches (or ranks) passes the totals of the whole batch, and the sum over chunks then equals the
     unchunked loss and gradient exactly, for every loss_type. bnpo and dapo therefore share one formula here;
-    they differ in the scope of num_tokens: bnpo counts the tokens of one optimiser step's batch on this
-    process, dapo those of the global batch across processes (sum them with an all-reduce before calling).
+    in the literature (and TRL) they differ in the scope of num_tokens: bnpo the tokens of one process's
+    batch, dapo those of the global batch across processes. NOTE: train.py passes the global count for both,
+    so that R ranks give exactly the one-process update (tested); there the two names are the same loss.
     NOTE: masked positions are excluded with `where`, not by multiplying, so a non-finite value there cannot
     leak in (inf * 0 = NaN). Non-finite values at unmasked positions propagate to the result.
     """
