@@ -6,6 +6,7 @@
     python train.py --resume runs/grpo            # continue a run from its latest checkpoint
     python train.py --model Qwen/Qwen2.5-VL-3B-Instruct --data my.jsonl --reward label format \\
         --reward-weight 1.0 0.5 --gate format --device cuda --max-new-tokens 128 --lr 1e-5
+    torchrun --nproc-per-node 8 train.py --device cuda ...  # R ranks, each on B prompts (README: torchrun)
 
 One training step (see `main`): sample G completions for each of B prompts with the current policy
 (no grad) -> score them with the reward functions -> group z-score advantages -> recompute the
@@ -13,6 +14,10 @@ completion log-probs WITH gradient (same images, masks, temperature) -> PPO-clip
 optimizer step on the LoRA parameters only -> log. The reference policy is the same model with its
 adapters switched off. The algorithm lives in grpo.py, the rewards in rewards.py, LoRA in lora.py,
 inputs in data.py and loading/checkpoints in model_io.py; this file only wires them together.
+
+Under torchrun (R ranks, "Several processes" below) each rank samples B whole groups of one global batch of
+B*R prompts, normalises its loss by the global counts and the LoRA gradients are summed: the update equals
+one process on B*R prompts. Rank 0 alone evaluates and writes files. R = 1 runs exactly as one process.
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ class Args:
 
     # --- rollout ---
     batch_size: int = 16
-    """B: prompts per step."""
+    """B: prompts per step (per rank under torchrun: the global batch is B*R prompts)."""
     group_size: int = 8
     """G: completions sampled per prompt (the group that advantages are normalised within)."""
     max_new_tokens: int = 24
@@ -238,6 +243,142 @@ def cosine_with_warmup(
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------------------------------
+# Several processes (torchrun): one rank per device, each on B whole prompt groups, one global update
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' is cuda if available, else cpu; under torchrun (R > 1) a bare 'cuda' becomes cuda:LOCAL_RANK."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        name = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return torch.device(name)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, R) from torchrun's environment; NCCL on CUDA, else gloo. R = 1 creates no process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not distributed():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL communicates through the current device
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return torch.distributed.get_rank(), world
+
+
+def finish_distributed() -> None:
+    if distributed():
+        torch.distributed.destroy_process_group()
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def collective_device() -> torch.device:
+    """Where tensors must live to be communicated: the current CUDA device for NCCL, the CPU for gloo."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sum_across_ranks(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks (float64); one process: the values themselves, untouched."""
+    if not distributed():
+        return list(values)
+    total = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
+    return total.tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is True on one (all-reduce MAX): a decision all ranks take together."""
+    if not distributed():
+        return bool(flag)
+    value = torch.tensor([int(bool(flag))], device=collective_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def barrier() -> None:
+    if distributed():
+        on_cuda = torch.distributed.get_backend() == "nccl"
+        torch.distributed.barrier(device_ids=[torch.cuda.current_device()] if on_cuda else None)
+
+
+def rank_batch(
+    samples: list[dict], step: int, batch_size: int, seed: int, rank: int, world: int
+) -> list[dict]:
+    """Rank `rank`'s B prompts: [rank*B, (rank+1)*B) of the step's global batch of B*R (R = 1: batch_for_step).
+
+    Every rank draws the same seeded permutation, so the slices partition the global batch and each prompt's
+    G completions (its whole group) stay on one rank: group advantages need no communication.
+    NOTE: `--adv-scale batch` therefore divides by the std of this rank's batch, not the global one.
+    """
+    global_batch = batch_for_step(samples, step, batch_size * world, seed)
+    return global_batch[rank * batch_size : (rank + 1) * batch_size]
+
+
+def batch_counts(mask: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(num_rows, num_tokens) of the global batch: this rank's rows and unmasked tokens, summed over ranks.
+
+    int64, so that dividing a bf16 loss by num_tokens does not promote it; num_tokens is clamped to >= 1.
+    """
+    if not distributed():
+        return mask.shape[0], mask.sum().clamp(min=1)
+    counts = torch.stack([torch.tensor(mask.shape[0]), mask.sum().cpu()]).to(torch.int64)
+    counts = counts.to(collective_device())
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.SUM)
+    return int(counts[0]), counts[1].to(mask.device).clamp(min=1)
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Sum the LoRA gradients over ranks in place, through one flat buffer (one collective, not one per tensor).
+
+    Each rank's loss is already normalised by the global counts, so the SUM is the gradient of the global
+    loss: what DistributedDataParallel gives with each rank's loss multiplied by R (DDP averages). DDP itself
+    is not used: its wrapper hides the model's `generate` and the adapters-off switch of the reference pass.
+    """
+    if not distributed():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.float().reshape(-1) for g in grads]).to(collective_device())
+    torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+    for p, g, summed in zip(params, grads, flat.split([g.numel() for g in grads])):
+        p.grad = g.copy_(summed.view_as(g))
+
+
+def mean_across_ranks(record: dict[str, float]) -> dict[str, float]:
+    """Each key's mean over the ranks that logged it, NaN ignored; a value equal on every rank stays exact.
+
+    An object all-gather, not a tensor all-reduce: ranks can log different keys (completion_length/correct
+    is missing on a rank where nothing was correct).
+    """
+    if not distributed():
+        return record
+    gathered: list[dict[str, float]] = [{} for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather_object(gathered, record)
+    merged = {}
+    for key in dict.fromkeys(k for rank_record in gathered for k in rank_record):  # first-seen order
+        values = [r[key] for r in gathered if key in r and not math.isnan(r[key])]
+        if not values:
+            merged[key] = float("nan")
+        else:
+            merged[key] = values[0] if len(set(values)) == 1 else sum(values) / len(values)
+    return merged
+
+
+def seed_rank_stream(seed: int, step: int, rank: int) -> None:
+    """With R > 1: reseed this rank's sampling (and LoRA dropout) for `step` from (seed, step, rank).
+
+    Ranks draw different completions, and a resumed run draws the same ones again from rank 0's checkpoint
+    alone. One process never calls this: its single stream stays as it always was (bit-exact resume).
+    """
+    torch.manual_seed((seed * 1_000_003 + step) * 10_007 + rank)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -413,12 +554,15 @@ def accumulate_policy_gradient(
     """Recompute logp with grad and backward the GRPO loss, one micro-batch at a time (gradient accumulation).
 
     Every chunk's loss is normalised by the whole batch (num_rows = N, num_tokens = all unmasked tokens), so
-    the accumulated gradient equals the unchunked one for every loss_type (grpo.aggregate). Returns the loss,
-    its stats (token means, re-weighted by each chunk's share of the tokens) and the entropy (N, T).
+    the accumulated gradient equals the unchunked one for every loss_type (grpo.aggregate). With R ranks the
+    whole batch is the global one (batch_counts: all ranks' rows and tokens; NOTE: so bnpo is normalised by
+    all ranks' tokens, like dapo), and all_reduce_gradients then sums the ranks' gradients. Returns the loss,
+    its stats (token means, re-weighted by each chunk's share of the tokens), both summed over ranks so they
+    are global on every rank, and this rank's entropy (N, T).
     """
     if not ro.chunks:  # NOTE: a Rollout built by hand without make_chunks would otherwise train on nothing
         raise ValueError("rollout has no chunks; build it with rollout() or make_chunks()")
-    num_rows, num_tokens = ro.mask.shape[0], ro.mask.sum().clamp(min=1)
+    num_rows, num_tokens = batch_counts(ro.mask)  # global: one process, or all ranks
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in ro.chunks:
         rows = chunk.rows
@@ -442,7 +586,8 @@ def accumulate_policy_gradient(
         share = ro.mask[rows].sum().item() / num_tokens.item()
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
-    return loss_sum, stats_sum, torch.cat(entropies)
+    totals = sum_across_ranks([loss_sum, *stats_sum.values()])  # each rank holds its share of the global mean
+    return totals[0], dict(zip(stats_sum, totals[1:])), torch.cat(entropies)
 
 
 def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: float) -> dict[str, float]:
@@ -450,6 +595,9 @@ def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: fl
 
     NOTE: a non-finite loss or gradient norm skips the optimizer step (the LoRA weights stay as they were)
     and is reported in the stats as `skipped` with its cause; the caller counts and logs it.
+    With R ranks the gradients are summed BEFORE the clip, so every rank clips the same global norm, takes
+    the same AdamW step (the adapters stay identical without a broadcast) and, the loss and norm being
+    global, decides the same skip. Every stat is global, the entropy too.
     """
     model.train()  # only LoRA dropout reacts to this; the base has no dropout
     params = lora.lora_parameters(model)
@@ -457,6 +605,7 @@ def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: fl
     for _ in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss, stats, entropy = accumulate_policy_gradient(model, ro, args, beta)  # recompute + backward
+        all_reduce_gradients(params)  # R > 1: the global batch's gradient on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         if not math.isfinite(loss) or not torch.isfinite(grad_norm):
             skipped = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
@@ -466,7 +615,8 @@ def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: fl
     scheduler.step()  # the schedule follows the step count, skipped or not
     model.eval()
     stats.update(loss=loss, grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0], skipped=skipped)
-    stats["entropy"] = (entropy * ro.mask).sum().item() / ro.mask.sum().item()
+    entropy_sum, num_tokens = sum_across_ranks([(entropy * ro.mask).sum().item(), ro.mask.sum().item()])
+    stats["entropy"] = entropy_sum / num_tokens
     return stats
 
 
@@ -503,6 +653,12 @@ def evaluate(
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[accuracy_name]]
     return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(totals) / len(totals)}
+
+
+def print_if(condition: bool, *values) -> None:
+    """print on the writing rank only (every rank would print the same line R times)."""
+    if condition:
+        print(*values)
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -563,25 +719,28 @@ def plot_curves(records: list[dict], path: Path) -> None:
 
 
 def main(args: Args) -> dict:
-    device = torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    device = resolve_device(args.device)
+    rank, world = init_distributed(device)  # (0, 1) without torchrun
     dtype = model_io.resolve_dtype(args.dtype, device)
     out = Path(args.output_dir)
     metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run):
+    if any_rank(metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run)):
         raise SystemExit(f"{out} already holds a run; pass --resume {out} to continue it or --overwrite")
 
     # Everything a user can get wrong fails here, before the first rollout: data, images, prompt lengths,
     # rewards, model path, LoRA placement.
     train_samples, held_out = load_samples(args)
+    if world > 1 and len(train_samples) < args.batch_size * world:
+        raise ValueError(
+            f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
+        )
     reward_fns = resolve_rewards(args, None if args.data else args.task)
     accuracy_name = args.accuracy_reward or reward_fns[0].name
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
     )
-    torch.manual_seed(args.seed)  # LoRA's A init, then sampling
+    torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     wrapped = lora.inject_lora(
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
     )
@@ -596,61 +755,127 @@ def main(args: Args) -> dict:
             model, tokenizer, image_processor, train_samples, reward_fns, args, device, wrapped, n_trainable
         )
 
+    writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+    start_step, beta = start_run(args, out, writer, model, optimizer, scheduler)
+    ranks = f"; {world} ranks x {args.batch_size} prompts" if world > 1 else ""
+    print_if(
+        writer,
+        f"{args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
+        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; {device}, {dtype}{ranks}",
+    )
+    evaluate_ = functools.partial(
+        evaluate, model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
+    )
+    sample = functools.partial(
+        rollout, model, tokenizer, image_processor, reward_fns=reward_fns, args=args, device=device
+    )
+    if start_step == 0 and writer:
+        append_jsonl(metrics_path, {"step": 0, **(evaluate_() if held_out else {})})
+
+    t_start, bad_in_a_row = time.time(), 0
+    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
+        for step in range(start_step + 1, args.steps + 1):
+            record, timings = train_step(
+                step,
+                train_samples,
+                rank,
+                world,
+                sample,
+                model,
+                optimizer,
+                scheduler,
+                args,
+                beta,
+                accuracy_name,
+            )
+            beta = next_beta(beta, record, args)
+            if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
+                if held_out and (step % args.eval_every == 0 or step == args.steps):
+                    record.update(evaluate_())
+                append_jsonl(metrics_path, record)
+                append_jsonl(out / "timings.jsonl", timings)
+                progress(step, args.steps, record, time.time() - t_start)
+            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+            if record["skipped"] and writer:
+                print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
+            halt = halt_reason(stop, bad_in_a_row, args)
+            if writer and (step % args.save_every == 0 or step == args.steps or halt):
+                save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
+            if halt:
+                barrier()  # every rank exits only once rank 0's checkpoint is written
+                raise SystemExit(
+                    f"\nstopped after step {step} ({halt}); checkpoint written. "
+                    f"Continue with: python train.py --resume {out} <the same flags>"
+                )
+    if not writer:
+        return {}
+    print()
+    lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    plot_curves(records, out / "curves.png")
+    return summarise(records, out, time.time() - t_start)
+
+
+def start_run(args: Args, out: Path, writer: bool, model, optimizer, scheduler) -> tuple[int, float]:
+    """(start step, beta): resume from a checkpoint (every rank loads it), or clear an old run (--overwrite)."""
+    metrics_path = out / "metrics.jsonl"
     start_step, beta = 0, args.beta
-    if args.resume:
-        start_step, beta = resume_from(args.resume, model, optimizer, scheduler, metrics_path)
-    elif args.overwrite and out.exists():
+    if args.resume:  # rank 0 alone truncates metrics.jsonl
+        start_step, beta = resume_from(
+            args.resume, model, optimizer, scheduler, metrics_path if writer else None
+        )
+    elif args.overwrite and out.exists() and writer:
         metrics_path.unlink(missing_ok=True)
         # NOTE: the old run's checkpoints too: a stale checkpoint-000100 would outrank this run's newer ones,
         # so keep_last pruning would delete those and --resume would load the old run.
         for old in model_io.list_checkpoints(out):
             shutil.rmtree(old)
     out.mkdir(parents=True, exist_ok=True)
-    print(
-        f"{args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
-        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; {device}, {dtype}"
-    )
-    evaluate_ = functools.partial(
-        evaluate, model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
-    )
-    if start_step == 0:
-        append_jsonl(metrics_path, {"step": 0, **(evaluate_() if held_out else {})})
+    return start_step, beta
 
-    t_start, bad_in_a_row = time.time(), 0
-    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
-        for step in range(start_step + 1, args.steps + 1):
-            t0 = time.time()
-            prompts = batch_for_step(train_samples, step - 1, args.batch_size, args.seed)
-            ro = rollout(
-                model, tokenizer, image_processor, prompts, reward_fns, args, device
-            )  # sample, score
-            t1 = time.time()
-            stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute, loss, step
-            record = {"step": step, "beta": beta, **stats, **rollout_metrics(ro, accuracy_name, args)}
-            beta = next_beta(beta, stats, args)
-            if held_out and (step % args.eval_every == 0 or step == args.steps):
-                record.update(evaluate_())
-            append_jsonl(metrics_path, record)
-            append_jsonl(
-                out / "timings.jsonl", {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
-            )
-            progress(step, args.steps, record, time.time() - t_start)
-            bad_in_a_row = bad_in_a_row + 1 if stats["skipped"] else 0
-            if stats["skipped"]:
-                print(f"\nstep {step}: optimizer step skipped ({stats['skipped']}); {bad_in_a_row} in a row")
-            halt = stop or (bad_in_a_row > args.max_bad_steps and [f"{bad_in_a_row} bad steps in a row"])
-            if step % args.save_every == 0 or step == args.steps or halt:
-                save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
-            if halt:
-                raise SystemExit(
-                    f"\nstopped after step {step} ({halt[0]}); checkpoint written. "
-                    f"Continue with: python train.py --resume {out} <the same flags>"
-                )
-    print()
-    lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    plot_curves(records, out / "curves.png")
-    return summarise(records, out, time.time() - t_start)
+
+def train_step(
+    step: int,
+    samples: list[dict],
+    rank: int,
+    world: int,
+    sample,
+    model,
+    optimizer,
+    scheduler,
+    args: Args,
+    beta: float,
+    accuracy_name: str,
+) -> tuple[dict, dict]:
+    """One step on this rank's B prompts: sample and score, then update. Returns (metrics record, timings).
+
+    `sample(prompts)` is `rollout` with the model, rewards and device bound. The record is the same on every
+    rank: the update's stats are global, the rollout metrics averaged over ranks.
+    """
+    t0 = time.time()
+    if world > 1:  # one process keeps its single stream (bit-exact resume as before)
+        seed_rank_stream(args.seed, step, rank)
+    prompts = rank_batch(samples, step - 1, args.batch_size, args.seed, rank, world)
+    ro = sample(prompts)  # sample, score
+    t1 = time.time()
+    stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute, loss, step
+    metrics = mean_across_ranks(rollout_metrics(ro, accuracy_name, args))
+    record = {"step": step, "beta": beta, **stats, **metrics}
+    return record, {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
+
+
+def halt_reason(stop: list[str], bad_in_a_row: int, args: Args) -> str | None:
+    """Why the run stops after this step (a signal on any rank, too many bad steps), or None to go on.
+
+    NOTE: `stop` is read ONCE and the decision is taken from the all-reduced value alone: a signal arriving
+    between the all-reduce and a second read would otherwise stop this rank and not the others (a hang).
+    """
+    requests = list(stop)
+    if any_rank(bool(requests)):
+        return requests[0] if requests else "a stop request on another rank"
+    if bad_in_a_row > args.max_bad_steps:
+        return f"{bad_in_a_row} bad steps in a row"
+    return None
 
 
 def rollout_metrics(ro: Rollout, accuracy_name: str, args: Args) -> dict[str, float]:
@@ -667,6 +892,7 @@ def stop_requests():
     """Turn SIGINT / SIGTERM into a request (a non-empty list) that the loop honours after the current step.
 
     The previous handlers are restored on exit, so importing or calling `main` changes nothing global.
+    Under torchrun the request is all-reduced after each step (halt_reason), so every rank stops together.
     A second Ctrl-C while a request is pending interrupts at once (KeyboardInterrupt), as usual.
     """
     requests: list[str] = []
@@ -714,8 +940,11 @@ def save(directory: Path, model, optimizer, scheduler, step: int, beta: float, a
     )
 
 
-def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> tuple[int, float]:
-    """Load adapter, optimizer, scheduler and RNG states; drop metric lines logged after the checkpoint."""
+def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path | None) -> tuple[int, float]:
+    """Load adapter, optimizer, scheduler and RNG states; drop metric lines logged after the checkpoint.
+
+    metrics_path None (ranks other than 0 under torchrun): load only, leave the files to rank 0.
+    """
     checkpoint = Path(path)
     if not (checkpoint / model_io.STATE_FILE).exists():
         found = model_io.list_checkpoints(checkpoint)
@@ -728,12 +957,14 @@ def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path) -> t
     scheduler.load_state_dict(state["scheduler"])
     model_io.set_rng_state(state["rng"])
     step = state["step"]
-    if metrics_path.exists():  # lines after the checkpoint would be logged again: drop them first
+    if (
+        metrics_path is not None and metrics_path.exists()
+    ):  # lines after the checkpoint would be logged again: drop them first
         kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step]
         tmp = metrics_path.with_suffix(".tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         tmp.replace(metrics_path)
-    print(f"resumed from {checkpoint} at step {step}")
+    print_if(metrics_path is not None, f"resumed from {checkpoint} at step {step}")
     return step, state["beta"]
 
 
@@ -782,5 +1013,8 @@ def summarise(records: list[dict], out: Path, seconds: float) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    try:
+        main(tyro.cli(Args))
+    finally:
+        finish_distributed()  # torchrun: destroy the process group, also after a stop (SystemExit)
     sys.exit(0)

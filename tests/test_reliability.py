@@ -67,8 +67,9 @@ def finished_run(tmp_path_factory) -> Path:
 # 1. Interruption and resume
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
+    tmp_path, monkeypatch, signum
 ):
     train.main(small_args(tmp_path / "whole", steps=4, save_every=100))
 
@@ -79,14 +80,15 @@ def test_sigterm_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_uni
         stats = real_update(*args, **kwargs)
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 2 is still running
+            os.kill(os.getpid(), signum)  # arrives while step 2 is still running
         return stats
 
     monkeypatch.setattr(train, "policy_update", update_then_signal)
     cut = tmp_path / "cut"
-    with pytest.raises(SystemExit, match=r"stopped after step 2 \(SIGTERM\).*--resume"):
+    previous_handler = signal.getsignal(signum)
+    with pytest.raises(SystemExit, match=rf"stopped after step 2 \({signum.name}\).*--resume"):
         train.main(small_args(cut, steps=4, save_every=100))
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is not left behind
+    assert signal.getsignal(signum) is previous_handler  # the handler is not left behind
     assert [p.name for p in model_io.list_checkpoints(cut)] == ["checkpoint-000002"]
     monkeypatch.setattr(train, "policy_update", real_update)
 

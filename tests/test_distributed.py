@@ -1,0 +1,229 @@
+"""Several ranks (torchrun, gloo, CPU) equal one process: the same LoRA update and one writer of every file.
+
+The equivalence test fixes one rollout of 2B prompts x G completions on the shipped tiny VLM (LoRA B made
+non-zero so that every A and B gets a gradient), then takes one `train.policy_update` (mu = 2 AdamW steps, micro-batches
+of 4 rows) (a) in this process on all 2B*G rows and (b) on 2 gloo ranks, rank r on its B whole groups, rows
+[r*B*G, (r+1)*B*G). Each rank normalises its loss by the global counts and the LoRA gradients are summed, so
+gradients, loss, stats and the LoRA weights after the update must match (a) to float tolerance, on both
+ranks and for every loss_type. Gradients are compared too: AdamW's first steps are nearly invariant to the
+gradient's scale, so equal weights alone would not catch a missing or doubled 1/R.
+
+Then `train.py` itself under torchrun: one writer of metrics, timings, checkpoints and adapter, and a resumed
+two-rank run equal to an uninterrupted one (each rank reseeds from (seed, step, rank)).
+The ranks are real processes: `torchrun --standalone` (it picks a free port) runs this file or train.py.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import data
+import grpo
+import lora
+import model_io
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
+TIMEOUT_S = 120
+
+
+def update_args(loss_type: str) -> train.Args:
+    return train.Args(
+        device="cpu",
+        batch_size=B,
+        group_size=G,
+        max_new_tokens=12,
+        loss_type=loss_type,
+        num_iterations=2,  # stores old_logp, and the second iteration's ratio is not 1 (the clip can bind)
+        micro_batch_size=4,
+        beta=0.04,
+        lr=2e-3,
+    )
+
+
+def tiny_model_with_lora():
+    """The shipped tiny VLM with LoRA as `main` builds it, and B != 0 so that every A gets a gradient too."""
+    model, tokenizer, image_processor = model_io.load_model(
+        model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    lora.inject_lora(model, last_k=4, r=8, alpha=16.0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            if torch.count_nonzero(p) == 0:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model, tokenizer, image_processor
+
+
+def rank_rollout(model, fixed: dict, args: train.Args, rank: int, world_size: int) -> train.Rollout:
+    """Rank `rank`'s share of the fixed rollout: whole groups, rows [rank*n, (rank+1)*n), with their images."""
+    n = fixed["completion_ids"].shape[0] // world_size
+    rows, inputs = grpo.split_rows(fixed["inputs"], n)[rank]
+    ids = fixed["completion_ids"][rows]
+    return train.Rollout(
+        inputs,
+        ids,
+        fixed["mask"][rows],
+        fixed["truncated"][rows],
+        [],
+        [],
+        fixed["reward"][rows],
+        {},
+        fixed["adv"][rows],
+        fixed["old_logp"][rows],
+        fixed["ref_logp"][rows],
+        chunks=train.make_chunks(model, inputs, ids, args),
+    )
+
+
+def one_update(fixed: dict, rank: int, world_size: int) -> dict:
+    """For each loss_type: one policy_update from the fixed LoRA weights; the gradients, weights and stats after."""
+    model, _, _ = tiny_model_with_lora()
+    results = {}
+    for loss_type in grpo.LOSS_TYPES:
+        args = update_args(loss_type)
+        with torch.no_grad():
+            for p, saved in zip(lora.lora_parameters(model), fixed["lora"]):
+                p.copy_(saved)
+        params = lora.lora_parameters(model)
+        optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        scheduler = train.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
+        ro = rank_rollout(model, fixed, args, rank, world_size)
+        stats = train.policy_update(model, ro, optimizer, scheduler, args, args.beta)
+        results[loss_type] = {
+            "grads": [p.grad.clone() for p in params],
+            "params": [p.detach().clone() for p in params],
+            "stats": stats,
+        }
+    return results
+
+
+@pytest.fixture(scope="module")
+def fixed_rollout(tmp_path_factory) -> Path:
+    """One rollout of WORLD*B prompts, saved for the ranks: inputs, completions, advantages, old/ref log-probs."""
+    model, tokenizer, image_processor = tiny_model_with_lora()
+    args = update_args("dapo")
+    prompts = train.batch_for_step(data.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    torch.manual_seed(1)
+    ro = train.rollout(
+        model, tokenizer, image_processor, prompts, train.resolve_rewards(args, "inspection"), args, "cpu"
+    )
+    for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
+        assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"
+    path = tmp_path_factory.mktemp("distributed") / "rollout.pt"
+    fields = ("inputs", "completion_ids", "mask", "truncated", "reward", "adv", "old_logp", "ref_logp")
+    lora_weights = [p.detach().clone() for p in lora.lora_parameters(model)]
+    torch.save({"lora": lora_weights, **{k: getattr(ro, k) for k in fields}}, path)
+    return path
+
+
+def torchrun(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    done = subprocess.run(
+        [*command, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(fixed_rollout) -> list[dict]:
+    torchrun(str(Path(__file__).resolve()), str(fixed_rollout), cwd=fixed_rollout.parent)
+    return [torch.load(fixed_rollout.parent / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def one_process_results(fixed_rollout) -> dict:
+    return one_update(torch.load(fixed_rollout), rank=0, world_size=1)  # no process group: plain train.py
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_prompts(
+    fixed_rollout, one_process_results, two_rank_results, loss_type
+):
+    one = one_process_results[loss_type]
+    delta = {"grads": 0.0, "params": 0.0}
+    for rank, results in enumerate(two_rank_results):
+        got = results[loss_type]
+        for name in ("grads", "params"):
+            for a, b in zip(got[name], one[name], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=f"rank {rank} {name}")
+                delta[name] = max(delta[name], (a - b).abs().max().item())
+        assert got["stats"] == pytest.approx(one["stats"], abs=1e-6)
+    # The step moved the weights far more than the tolerance, so the comparison above means something.
+    moved = max((a - b).abs().max().item() for a, b in zip(one["params"], torch.load(fixed_rollout)["lora"]))
+    largest_grad = max(g.abs().max().item() for g in one["grads"])
+    assert moved > 1e-4 and largest_grad > 1e-4
+    print(
+        f"{loss_type}: 2 ranks vs 1 process, max |delta| grads {delta['grads']:.1e} (largest {largest_grad:.1e})"
+    )
+    print(f"{loss_type}: 2 ranks vs 1 process, max |delta| weights {delta['params']:.1e} (step {moved:.1e})")
+
+
+def test_ranks_take_consecutive_slices_of_one_global_batch_and_one_rank_is_the_plain_batch():
+    samples = [{"id": i} for i in range(10)]
+    for step in range(4):  # crosses an epoch boundary (10 // 4 = 2 global batches per epoch)
+        slices = [train.rank_batch(samples, step, 2, 0, r, 2) for r in range(2)]
+        assert slices[0] + slices[1] == train.batch_for_step(samples, step, 4, 0)
+        assert train.rank_batch(samples, step, 2, 0, 0, 1) == train.batch_for_step(samples, step, 2, 0)
+
+
+FLAGS = (
+    "--device cpu --batch-size 2 --group-size 2 --train-size 16 --eval-size 4 --eval-every 1 --save-every 1"
+)
+
+
+def train_on_two_ranks(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    return torchrun(str(ROOT / "train.py"), *FLAGS.split(), *flags, "--output-dir", str(out), cwd=out.parent)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("main") / "run"
+    return out, train_on_two_ranks(out, "--steps", "2")
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_main_on_two_ranks_writes_metrics_checkpoints_and_adapter_once(two_rank_run):
+    out, done = two_rank_run
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]  # one writer: no line twice
+    assert all("eval/accuracy" in r for r in records) and "reward/mean" in records[1]
+    assert len((out / "timings.jsonl").read_text().splitlines()) == 2
+    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001", "checkpoint-000002"]
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "curves.png").is_file()
+    assert done.stdout.count("done:") == 1 and "2 ranks x 2 prompts" in done.stdout
+
+
+def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_run, tmp_path):
+    # Each rank reseeds its sampling from (seed, step, rank), so rank 0's RNG state in the checkpoint suffices.
+    resumed, straight = tmp_path / "resumed", tmp_path / "straight"
+    shutil.copytree(two_rank_run[0], resumed)
+    train_on_two_ranks(resumed, "--steps", "3", "--resume", str(resumed))
+    train_on_two_ranks(straight, "--steps", "3")
+    assert [r["step"] for r in read_metrics(resumed)] == [0, 1, 2, 3]
+    assert (resumed / "metrics.jsonl").read_bytes() == (straight / "metrics.jsonl").read_bytes()
+    adapters = [load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (resumed, straight)]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[1])
+
+
+if __name__ == "__main__":  # one rank, launched by the tests above through torchrun
+    torch.set_num_threads(1)
+    rank, world_size = train.init_distributed(torch.device("cpu"))
+    rollout_path = Path(sys.argv[1])
+    torch.save(one_update(torch.load(rollout_path), rank, world_size), rollout_path.parent / f"rank{rank}.pt")
+    train.finish_distributed()
