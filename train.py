@@ -727,15 +727,92 @@ def main(args: Args) -> dict:
     if any_rank(metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run)):
         raise SystemExit(f"{out} already holds a run; pass --resume {out} to continue it or --overwrite")
 
-    # Everything a user can get wrong fails here, before the first rollout: data, images, prompt lengths,
-    # rewards, model path, LoRA placement.
+    run = build_run(args, device, dtype, world)  # every input is checked here, before the first rollout
+    if args.dry_run:
+        return dry_run(run, args, device)
+    writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+    start_step, beta = start_run(args, out, writer, run.model, run.optimizer, run.scheduler)
+    ranks = f"; {world} ranks x {args.batch_size} prompts" if world > 1 else ""
+    print_if(
+        writer,
+        f"{args.model}: LoRA r={args.lora_r} on {len(run.wrapped)} modules of the last {args.lora_last_k} "
+        f"blocks, {run.n_trainable:,} trainable parameters; {len(run.train_samples)} training samples; "
+        f"{device}, {dtype}{ranks}",
+    )
+    evaluate_ = functools.partial(
+        evaluate,
+        run.model,
+        run.tokenizer,
+        run.image_processor,
+        run.held_out,
+        run.reward_fns,
+        run.accuracy_name,
+        args,
+        device,
+    )
+    if start_step == 0 and writer:
+        append_jsonl(metrics_path, {"step": 0, **(evaluate_() if run.held_out else {})})
+
+    t_start, bad_in_a_row = time.time(), 0
+    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
+        for step in range(start_step + 1, args.steps + 1):
+            record, timings = train_step(step, run, args, beta, device, rank, world)  # sample, score, update
+            beta = next_beta(beta, record, args)
+            if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
+                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                    record.update(evaluate_())
+                append_jsonl(metrics_path, record)
+                append_jsonl(out / "timings.jsonl", timings)
+                progress(step, args.steps, record, time.time() - t_start)
+            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+            if record["skipped"] and writer:
+                print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
+            halt = halt_reason(stop, bad_in_a_row, args)
+            if writer and (step % args.save_every == 0 or step == args.steps or halt):
+                save(
+                    out / f"checkpoint-{step:06d}", run.model, run.optimizer, run.scheduler, step, beta, args
+                )
+            if halt:
+                barrier()  # every rank exits only once rank 0's checkpoint is written
+                raise SystemExit(
+                    f"\nstopped after step {step} ({halt}); checkpoint written. "
+                    f"Continue with: python train.py --resume {out} <the same flags>"
+                )
+    if not writer:
+        return {}
+    print()
+    lora.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    plot_curves(records, out / "curves.png")
+    return summarise(records, out, time.time() - t_start)
+
+
+@dataclass
+class Run:
+    """What `main` builds before the first step; building it is where every bad input is reported."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    image_processor: object | None
+    train_samples: list[dict]
+    held_out: list[dict]
+    reward_fns: list[rewards.Reward]
+    accuracy_name: str
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    wrapped: list[str]  # names of the LoRA-wrapped modules
+    n_trainable: int
+
+
+def build_run(args: Args, device: torch.device, dtype: torch.dtype, world: int) -> Run:
+    """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
+    rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
     train_samples, held_out = load_samples(args)
     if world > 1 and len(train_samples) < args.batch_size * world:
         raise ValueError(
             f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
         )
     reward_fns = resolve_rewards(args, None if args.data else args.task)
-    accuracy_name = args.accuracy_reward or reward_fns[0].name
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
@@ -749,71 +826,21 @@ def main(args: Args) -> dict:
     params = lora.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    accuracy_name = args.accuracy_reward or reward_fns[0].name
     n_trainable = sum(p.numel() for p in params)
-    if args.dry_run:
-        return dry_run(
-            model, tokenizer, image_processor, train_samples, reward_fns, args, device, wrapped, n_trainable
-        )
-
-    writer = rank == 0  # the only rank that writes files, prints progress and evaluates
-    start_step, beta = start_run(args, out, writer, model, optimizer, scheduler)
-    ranks = f"; {world} ranks x {args.batch_size} prompts" if world > 1 else ""
-    print_if(
-        writer,
-        f"{args.model}: LoRA r={args.lora_r} on {len(wrapped)} modules of the last {args.lora_last_k} blocks, "
-        f"{n_trainable:,} trainable parameters; {len(train_samples)} training samples; {device}, {dtype}{ranks}",
+    return Run(
+        model,
+        tokenizer,
+        image_processor,
+        train_samples,
+        held_out,
+        reward_fns,
+        accuracy_name,
+        optimizer,
+        scheduler,
+        wrapped,
+        n_trainable,
     )
-    evaluate_ = functools.partial(
-        evaluate, model, tokenizer, image_processor, held_out, reward_fns, accuracy_name, args, device
-    )
-    sample = functools.partial(
-        rollout, model, tokenizer, image_processor, reward_fns=reward_fns, args=args, device=device
-    )
-    if start_step == 0 and writer:
-        append_jsonl(metrics_path, {"step": 0, **(evaluate_() if held_out else {})})
-
-    t_start, bad_in_a_row = time.time(), 0
-    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
-        for step in range(start_step + 1, args.steps + 1):
-            record, timings = train_step(
-                step,
-                train_samples,
-                rank,
-                world,
-                sample,
-                model,
-                optimizer,
-                scheduler,
-                args,
-                beta,
-                accuracy_name,
-            )
-            beta = next_beta(beta, record, args)
-            if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
-                if held_out and (step % args.eval_every == 0 or step == args.steps):
-                    record.update(evaluate_())
-                append_jsonl(metrics_path, record)
-                append_jsonl(out / "timings.jsonl", timings)
-                progress(step, args.steps, record, time.time() - t_start)
-            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-            if record["skipped"] and writer:
-                print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
-            halt = halt_reason(stop, bad_in_a_row, args)
-            if writer and (step % args.save_every == 0 or step == args.steps or halt):
-                save(out / f"checkpoint-{step:06d}", model, optimizer, scheduler, step, beta, args)
-            if halt:
-                barrier()  # every rank exits only once rank 0's checkpoint is written
-                raise SystemExit(
-                    f"\nstopped after step {step} ({halt}); checkpoint written. "
-                    f"Continue with: python train.py --resume {out} <the same flags>"
-                )
-    if not writer:
-        return {}
-    print()
-    lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-    plot_curves(records, out / "curves.png")
-    return summarise(records, out, time.time() - t_start)
 
 
 def start_run(args: Args, out: Path, writer: bool, model, optimizer, scheduler) -> tuple[int, float]:
@@ -835,31 +862,21 @@ def start_run(args: Args, out: Path, writer: bool, model, optimizer, scheduler) 
 
 
 def train_step(
-    step: int,
-    samples: list[dict],
-    rank: int,
-    world: int,
-    sample,
-    model,
-    optimizer,
-    scheduler,
-    args: Args,
-    beta: float,
-    accuracy_name: str,
+    step: int, run: Run, args: Args, beta: float, device: torch.device, rank: int, world: int
 ) -> tuple[dict, dict]:
     """One step on this rank's B prompts: sample and score, then update. Returns (metrics record, timings).
 
-    `sample(prompts)` is `rollout` with the model, rewards and device bound. The record is the same on every
-    rank: the update's stats are global, the rollout metrics averaged over ranks.
+    The record is the same on every rank: the update's stats are global, the rollout metrics averaged over
+    ranks.
     """
     t0 = time.time()
     if world > 1:  # one process keeps its single stream (bit-exact resume as before)
         seed_rank_stream(args.seed, step, rank)
-    prompts = rank_batch(samples, step - 1, args.batch_size, args.seed, rank, world)
-    ro = sample(prompts)  # sample, score
+    prompts = rank_batch(run.train_samples, step - 1, args.batch_size, args.seed, rank, world)
+    ro = rollout(run.model, run.tokenizer, run.image_processor, prompts, run.reward_fns, args, device)
     t1 = time.time()
-    stats = policy_update(model, ro, optimizer, scheduler, args, beta)  # recompute, loss, step
-    metrics = mean_across_ranks(rollout_metrics(ro, accuracy_name, args))
+    stats = policy_update(run.model, ro, run.optimizer, run.scheduler, args, beta)  # recompute, loss, step
+    metrics = mean_across_ranks(rollout_metrics(ro, run.accuracy_name, args))
     record = {"step": step, "beta": beta, **stats, **metrics}
     return record, {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
 
@@ -968,16 +985,14 @@ def resume_from(path: str, model, optimizer, scheduler, metrics_path: Path | Non
     return step, state["beta"]
 
 
-def dry_run(
-    model, tokenizer, image_processor, samples, reward_fns, args: Args, device, wrapped, n_trainable
-) -> dict:
+def dry_run(run: Run, args: Args, device: torch.device) -> dict:
     """One rollout, its rewards and one loss (with its backward, to exercise the gradient path), no update."""
     print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
-    print(f"trainable parameters: {n_trainable:,} in {len(wrapped)} LoRA modules")
-    prompts = batch_for_step(samples, 0, args.batch_size, args.seed)
-    ro = rollout(model, tokenizer, image_processor, prompts, reward_fns, args, device)
-    loss, stats, _ = accumulate_policy_gradient(model, ro, args, args.beta)  # no optimizer: weights unchanged
-    model.zero_grad(set_to_none=True)
+    print(f"trainable parameters: {run.n_trainable:,} in {len(run.wrapped)} LoRA modules")
+    prompts = batch_for_step(run.train_samples, 0, args.batch_size, args.seed)
+    ro = rollout(run.model, run.tokenizer, run.image_processor, prompts, run.reward_fns, args, device)
+    loss, stats, _ = accumulate_policy_gradient(run.model, ro, args, args.beta)  # no optimizer step
+    run.model.zero_grad(set_to_none=True)
     for i, (text, r, a) in enumerate(zip(ro.texts, ro.reward.tolist(), ro.adv.tolist())):
         print(f"row {i:3d}  reward {r:.2f}  adv {a:+.2f}  {text!r}")
     print(f"loss {loss:.4f}  {stats}")
