@@ -233,6 +233,37 @@ def suppressed_tokens(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+@torch.no_grad()
+def generate_completions(
+    model,
+    tokenizer,
+    inputs: dict,
+    *,
+    num_return_sequences: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
+    """Sample (temperature 0: greedy) and decode: completion ids (N, T), mask (N, T), truncated (N,), texts.
+
+    The texts stop at the first EOS (what comes after it is padding) and drop special tokens.
+    """
+    ids, _ = grpo.sample_completions(
+        model,
+        inputs,
+        num_return_sequences=num_return_sequences,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=suppressed_tokens(tokenizer),
+    )
+    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
+    texts = tokenizer.batch_decode(ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
+    return ids, mask, truncated, texts
+
+
 def cosine_with_warmup(
     optimizer, *, warmup_steps: int, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
@@ -497,20 +528,14 @@ def rollout(
     )
     inputs = data.repeat_rows(batch, G).inputs  # prompt b -> rows b*G .. b*G+G-1
     model.eval()
-    completion_ids, _ = grpo.sample_completions(
+    completion_ids, mask, truncated, texts = generate_completions(
         model,
+        tokenizer,
         batch.inputs,  # the B prompts: generate encodes each image once, then expands to the N rows
         num_return_sequences=G,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=suppressed_tokens(tokenizer),
-    )
-    mask, truncated = grpo.completion_mask(completion_ids, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(
-        completion_ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
     )
     if args.mask_truncated:  # NOTE: they are still scored and logged, they just carry no gradient
         mask = mask & ~truncated[:, None]
@@ -636,18 +661,13 @@ def evaluate(
         batch = data.prepare_prompts(
             chunk, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
         )
-        ids, _ = grpo.sample_completions(
+        _, mask, _, texts = generate_completions(
             model,
+            tokenizer,
             batch.inputs,
+            num_return_sequences=1,
             max_new_tokens=args.max_new_tokens,
             temperature=0.0,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            suppress_token_ids=suppressed_tokens(tokenizer),
-        )
-        mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)
-        texts = tokenizer.batch_decode(
-            ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
         )
         scores = rewards.score(texts, chunk, reward_fns, completion_lengths=mask.sum(1).tolist())
         totals += scores.total

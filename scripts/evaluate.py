@@ -52,7 +52,6 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data
-import grpo
 import lora
 import model_io
 import rewards
@@ -210,18 +209,15 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
     inputs = data.repeat_rows(batch, k).inputs  # (B*k, P): sample b -> rows b*k .. b*k+k-1, own images
-    ids, _ = grpo.sample_completions(
+    _, mask, truncated, texts = train.generate_completions(
         model,
+        tokenizer,
         inputs,
+        num_return_sequences=1,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
         top_p=args.top_p if k > 1 else 1.0,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=train.suppressed_tokens(tokenizer),
     )  # (B*k, T)
-    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
-    texts = tokenizer.batch_decode(ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
     lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
     return [{"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r]} for r in rows]
