@@ -537,10 +537,10 @@ def rollout(
         temperature=args.temperature,
         top_p=args.top_p,
     )
-    if args.mask_truncated:  # NOTE: they are still scored and logged, they just carry no gradient
-        mask = mask & ~truncated[:, None]
     samples = [s for s in prompts for _ in range(G)]
     scores = rewards.score(texts, samples, reward_fns, completion_lengths=mask.sum(1).tolist())
+    if args.mask_truncated:  # NOTE: after scoring: they are still scored and logged, they carry no gradient
+        mask = mask & ~truncated[:, None]
     reward = torch.tensor(scores.total, dtype=torch.float32, device=device)
     components = {
         k: torch.tensor(v, dtype=torch.float32, device=device) for k, v in scores.components.items()

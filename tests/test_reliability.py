@@ -218,10 +218,19 @@ def test_empty_and_truncated_completions_are_counted_and_mask_truncated_drops_th
         return ids, logp
 
     monkeypatch.setattr(grpo, "sample_completions", eos_first_or_never)
+    real_score, lengths_seen = train.rewards.score, []
+
+    def recording_score(*args, completion_lengths, **kwargs):
+        lengths_seen.extend(completion_lengths)
+        return real_score(*args, completion_lengths=completion_lengths, **kwargs)
+
+    monkeypatch.setattr(train.rewards, "score", recording_score)
     out = tmp_path / "run"
     train.main(small_args(out, steps=1, eval_size=0, mask_truncated=True))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["frac_empty"] == 0.5 and record["frac_truncated"] == 0.5
+    # Rewards (e.g. DAPO's overlong penalty) see the real token counts, before truncated rows are masked.
+    assert lengths_seen[0::2] == [1, 1] and all(n > 1 for n in lengths_seen[1::2]), lengths_seen
 
 
 # --------------------------------------------------------------------------------------------------
