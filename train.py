@@ -224,11 +224,13 @@ def batch_for_step(samples: list[dict], step: int, batch_size: int, seed: int) -
 
 def suppressed_tokens(tokenizer) -> list[int]:
     """Special tokens a completion must never contain: vision markers and chat control, except EOS."""
-    ids = set(tokenizer.all_special_ids) | {
-        tokenizer.convert_tokens_to_ids(t)
-        for t in (data.IMAGE_PAD, data.VISION_START, data.VISION_END, "<|video_pad|>")
-        if t in tokenizer.get_vocab()
+    # NOTE: a tokenizer without these tokens maps them to its unk id (or None); those are not suppressed.
+    # (No `t in tokenizer.get_vocab()`: that builds a 151k-entry dict per call, and this runs every step.)
+    vision = {
+        tokenizer.convert_tokens_to_ids(t) for t in (data.IMAGE_PAD, data.VISION_START, data.VISION_END)
     }
+    vision |= {tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+    ids = set(tokenizer.all_special_ids) | (vision - {None, tokenizer.unk_token_id})
     ids.discard(tokenizer.eos_token_id)
     return sorted(ids)
 

@@ -518,3 +518,11 @@ def test_help_lists_the_documented_flags():
     ):
         assert flag in result.stdout, flag
     assert "KL penalty weight" in result.stdout  # a field docstring became help text
+
+
+def test_suppressed_tokens_are_the_vision_markers_and_specials_but_never_eos():
+    tokenizer = model_io.AutoTokenizer.from_pretrained(model_io.DEFAULT_MODEL)
+    ids = train.suppressed_tokens(tokenizer)
+    vision = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+    assert {tokenizer.convert_tokens_to_ids(t) for t in vision} <= set(ids)
+    assert tokenizer.eos_token_id not in ids and tokenizer.pad_token_id in ids
