@@ -60,7 +60,8 @@ Choices, where the literature differs:
 """
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -417,14 +418,15 @@ class Trunk:
     the K adapted blocks from there, for each of the three.
     """
 
-    hidden_states: torch.Tensor  # (n, P + T, H) the input of blocks[first_adapted], detached
+    # (n, P + T - 1, H) the input of blocks[first_adapted], detached; the last completion token is left out
+    hidden_states: torch.Tensor
     # The keyword arguments the model passed to that block, untouched: attention_mask (4D, or None),
     # position_embeddings (cos, sin), Qwen-VL's multimodal RoPE included, position_ids, use_cache, ...
     block_kwargs: dict[str, Any]
 
 
 class _TrunkCaptured(Exception):
-    """Raised by the pre-hook of blocks[first_adapted] to end the trunk forward there."""
+    """Raised by a block's forward pre-hook to end the model's forward there."""
 
     def __init__(self, hidden_states: torch.Tensor, block_kwargs: dict[str, Any]) -> None:
         super().__init__("trunk captured")
@@ -488,6 +490,37 @@ def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor])
     return features
 
 
+def _capture_block_input(
+    model: torch.nn.Module, kwargs: dict[str, Any], block: torch.nn.Module
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Run model(**kwargs) up to `block` and return (hidden states, keyword arguments) that the block receives.
+
+    A forward pre-hook records them and raises to end the forward there: the model's own code builds the masks
+    and (m)RoPE, none of it is re-implemented here, and nothing from `block` on (nor the LM head) is computed.
+    """
+
+    def stop(module: torch.nn.Module, args: tuple, block_kwargs: dict[str, Any]) -> None:
+        hidden_states = args[0] if args else block_kwargs.pop("hidden_states")
+        raise _TrunkCaptured(hidden_states, dict(block_kwargs))
+
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        model(**kwargs, logits_to_keep=1, use_cache=False)
+    except _TrunkCaptured as captured:
+        return captured.hidden_states.detach(), captured.block_kwargs
+    finally:
+        handle.remove()
+    raise RuntimeError("the block was never called: pass one of the model's own decoder blocks")
+
+
+def _without_last_token(completion_ids: torch.Tensor) -> torch.Tensor:
+    """(n, T - 1): the last completion token is never an input that matters (its output would predict a token
+    past the end), so the trunk stops before it: P + T - 1 positions."""
+    if completion_ids.shape[1] == 0:
+        raise ValueError("no completion tokens: nothing to compute log-probs for")
+    return completion_ids[:, :-1]
+
+
 @torch.no_grad()
 def capture_trunk(
     model: torch.nn.Module,
@@ -500,8 +533,8 @@ def capture_trunk(
     """Run the model up to blocks[first_adapted] once, without grad, and keep what that block receives.
 
     Same inputs as `completion_logprobs`. A forward pre-hook records the block's hidden states and keyword
-    arguments, so the model's own code builds the masks and (m)RoPE, none of it re-implemented here; then it
-    raises to stop the forward, which skips the K adapted blocks and the LM head (their output is not needed).
+    arguments and ends the forward there (`_capture_block_input`), which skips the K adapted blocks and the LM
+    head (their output is not needed).
     Images shared by consecutive rows (a prompt's G copies) go through the vision tower once
     (`_encode_images_once`); a prompt whose rows fall into several micro-batches is encoded once per chunk.
     The adapters may be on or off: none sits in the trunk (checked: no trainable parameter outside
@@ -512,24 +545,12 @@ def capture_trunk(
     after its first blocks, so first_adapted must lie past them; Gemma soft-caps the logits).
     """
     _check_frozen_trunk(model, blocks, first_adapted)
-
-    def stop(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        hidden_states = args[0] if args else kwargs.pop("hidden_states")
-        raise _TrunkCaptured(hidden_states, dict(kwargs))
-
-    kwargs = _recompute_kwargs(inputs, completion_ids)
+    kwargs = _recompute_kwargs(inputs, _without_last_token(completion_ids))  # (n, P + T - 1)
     if "pixel_values" in kwargs and _accepts_encoder_outputs(model):
         # The G rows of a prompt share its images: encode them once, hand the forward the embeddings.
         del kwargs["pixel_values"]
         kwargs["mm_encoder_outputs"] = {"image": _encode_images_once(model, inputs)}
-    handle = blocks[first_adapted].register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        model(**kwargs, logits_to_keep=1, use_cache=False)
-    except _TrunkCaptured as captured:
-        return Trunk(captured.hidden_states.detach(), captured.block_kwargs)
-    finally:
-        handle.remove()
-    raise RuntimeError(f"blocks[{first_adapted}] was never called: pass the model's own decoder blocks")
+    return Trunk(*_capture_block_input(model, kwargs, blocks[first_adapted]))
 
 
 def _run_block(
@@ -563,17 +584,205 @@ def trunk_logprobs(
     call it under no_grad for old_logp, and also inside `adapters_disabled` for ref_logp. No gradient flows into
     the trunk. `gradient_checkpointing` checkpoints each adapted block (only while grad is enabled).
     """
-    hidden_states = trunk.hidden_states  # (n, P + T, H)
+    hidden_states = trunk.hidden_states  # (n, P + T - 1, H)
     checkpointed = gradient_checkpointing and torch.is_grad_enabled()
     for block in blocks[first_adapted:]:
         hidden_states = _run_block(block, hidden_states, trunk.block_kwargs, checkpointed=checkpointed)
     T = completion_ids.shape[1]
-    # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2 predict the T completion tokens. The
-    # final norm acts on each position alone, so normalising only them equals the model's norm-then-slice,
-    # and leaving out the last position spares the backward a full-size, zero-padded gradient of a slice.
-    hidden_states = hidden_states[:, -(T + 1) : -1]  # (n, T, H)
+    # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2, the trunk's last T, predict the T
+    # completion tokens. The final norm acts on each position alone, so normalising only them equals the
+    # model's norm-then-slice.
+    hidden_states = hidden_states[:, -T:]  # (n, T, H)
     logits = _divide_by_temperature(lm_head(norm(hidden_states)), temperature)  # (n, T, V)
     return _logprobs_and_entropy(logits, completion_ids, return_entropy=return_entropy)
+
+
+# --- speed: sampling with each prompt's prefill run once -----------------------------------------------------
+# generate(num_return_sequences=G) copies every prompt G times before its first forward, so the prompt (all L
+# blocks over P tokens) is computed G times over. `sample_shared_prefill` runs it once per prompt and copies the
+# KV cache instead; it can also record what the frozen trunk hands the adapted blocks at every step, which is
+# then the trunk of the update (`trunk_from_recording`) and no trunk forward is left to run at all.
+
+
+def _draw(
+    logits: torch.Tensor, *, temperature: float, top_p: float, suppressed: torch.Tensor
+) -> torch.Tensor:
+    """Next tokens (N,) from the last position's logits (N, V): generate's sampler, op for op.
+
+    The same steps in the same order as generate's logits processors (suppress -> temperature -> top_p) and its
+    sampler, so that for the same seed the same tokens come out (tested): fp32 logits; suppressed tokens get
+    -inf; divide by the temperature; top_p drops the least likely tokens whose cumulative probability, counted
+    from the bottom, stays <= 1 - top_p (the most likely token always stays); one multinomial draw per row.
+    temperature == 0: argmax (greedy).
+    """
+    scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
+    if temperature == 0:
+        return scores.argmax(dim=-1)
+    if temperature != 1:
+        scores = scores / temperature
+    if top_p < 1:
+        sorted_scores, order = torch.sort(scores, descending=False)  # (N, V) least likely first
+        drop_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop_sorted[:, -1] = False  # NOTE: keep the most likely token even when top_p is tiny
+        drop = drop_sorted.scatter(1, order, drop_sorted)  # (N, V) back in vocabulary order
+        scores = scores.masked_fill(drop, float("-inf"))
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # (N,)
+
+
+def _first_new_position(model: torch.nn.Module, prompt_mask: torch.Tensor, has_images: bool) -> torch.Tensor:
+    """(B, 1) the RoPE position of each prompt's first new token, as generate numbers it.
+
+    Text: positions count real tokens from the row's first one (left padding skipped), so the next one is the
+    number of real tokens. Qwen-VL's mRoPE numbers an image's tokens by their grid (t, h, w) instead of one by
+    one, so a prompt with images ends at a smaller position: the model stores that shift per prompt as
+    `rope_deltas` while it builds the prompt's positions, and new text tokens continue from there.
+    """
+    position = prompt_mask.long().sum(dim=1, keepdim=True)  # (B, 1)
+    if not has_images:
+        return position
+    deltas = getattr(getattr(model, "model", None), "rope_deltas", None)  # (B, 1), set by the prefill
+    if deltas is None or deltas.shape[0] != prompt_mask.shape[0]:
+        raise ValueError(
+            "sample_shared_prefill needs the Qwen-VL `model.model.rope_deltas` after an image prefill; this"
+            " model keeps none: sample with sample_completions (generate) instead"
+        )
+    return position + deltas.to(position.device)
+
+
+@contextmanager
+def _recording_inputs(block: torch.nn.Module | None) -> Iterator[list[torch.Tensor]]:
+    """A list that collects the hidden states entering `block` at each of its calls inside the `with` (None:
+    stays empty)."""
+    recorded: list[torch.Tensor] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        recorded.append(args[0] if args else kwargs["hidden_states"])
+
+    handle = block.register_forward_pre_hook(record, with_kwargs=True) if block is not None else None
+    try:
+        yield recorded
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _prefill(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group_size: int) -> tuple[Any, ...]:
+    """One forward over the B prompts, then everything decoding needs, repeated for the G rows of each prompt:
+    the last position's logits (N, V), the KV cache (N rows) and the position of the first new token (N, 1)."""
+    prefill, has_images = dict(inputs), "image_grid_thw" in inputs
+    if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
+        model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
+    if not has_images:  # positions from each row's first real token, as in _recompute_kwargs
+        prefill["position_ids"] = (inputs["attention_mask"].long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
+    out = model(**prefill, use_cache=True, logits_to_keep=1)
+    position = _first_new_position(model, inputs["attention_mask"], has_images)  # (B, 1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(group_size)  # (B, ...) -> (N, ...): each prompt's keys and values, G times
+    logits = out.logits[:, -1]  # (B, V)
+    return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
+
+
+@torch.no_grad()
+def sample_shared_prefill(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    eos_token_id: int,
+    pad_token_id: int,
+    suppress_token_ids: Sequence[int] = (),
+    record_block: torch.nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """G completions for each of the B prompts, each prompt's prefill run once: `sample_completions` made cheaper.
+
+    `inputs` holds the B un-expanded, LEFT-padded prompts (as for `sample_completions(...,
+    num_return_sequences=G)`). The prefill (vision tower and all blocks over the P prompt tokens) runs on the B
+    prompts; its KV cache and last logits are then repeated G times (`repeat_interleave`: prompt b -> rows
+    b*G .. b*G+G-1) and the N = B*G rows are decoded one token per forward, drawn as generate draws them
+    (`_draw`), rows that met EOS padded with pad_token_id, until every row has stopped or max_new_tokens.
+    Same options, same rows and, for the same seed, the same tokens as `sample_completions` (tested; the
+    prefill on B rows instead of N agrees to rounding).
+
+    `record_block` (blocks[first_adapted]) also records the hidden states entering that block at every step:
+    the prompt's P positions (copied to its G rows) and one per fed completion token, i.e. (N, P + T - 1, H),
+    the input a full forward over prompt + completion would hand it (the last token is drawn, never fed). With
+    `trunk_from_recording` that is the frozen trunk of the update, at no extra cost. It agrees with a full
+    forward to rounding (a KV-cache step sums its attention in another order): fp32 ~1e-6, tested.
+    Returns completion ids (N, T) and the recording (or None).
+    """
+    _check_inputs(inputs)
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+    if eos_token_id in suppress_token_ids:
+        raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
+    if max_new_tokens < 1 or group_size < 1:
+        raise ValueError(
+            f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"
+        )
+    with _recording_inputs(record_block) as recorded:
+        logits, cache, position = _prefill(model, inputs, group_size)  # (N, V), N rows, (N, 1)
+        N = logits.shape[0]
+        mask = inputs["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+        suppressed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # (V,)
+        suppressed[list(suppress_token_ids)] = True
+        running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
+        tokens = []
+        for t in range(max_new_tokens):
+            token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
+            # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
+            token = torch.where(running, token, pad_token_id)
+            tokens.append(token)
+            running &= token != eos_token_id
+            if t == max_new_tokens - 1 or not running.any():
+                break
+            mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)  # (N, P + t + 1)
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]  # (N, V)
+    if recorded:
+        recorded[0] = recorded[0].repeat_interleave(group_size, dim=0)  # the prompt's (B, P, H) -> (N, P, H)
+    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
+    return completion_ids, (torch.cat(recorded, dim=1) if recorded else None)
+
+
+@torch.no_grad()
+def trunk_from_recording(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    completion_ids: torch.Tensor,
+    hidden_states: torch.Tensor,
+    *,
+    blocks: Sequence[torch.nn.Module],
+    first_adapted: int,
+) -> Trunk:
+    """The Trunk of n rows from hidden states recorded while sampling (`sample_shared_prefill(record_block=...)`).
+
+    `inputs` and `completion_ids` as for `capture_trunk`; `hidden_states` (n, P + T - 1, H) those rows' slice
+    of the recording. What is left to build is the adapted blocks' keyword arguments over the whole sequence
+    (attention mask, (m)RoPE position embeddings): the model builds them before its first block, so a forward
+    is run up to blocks[0] only. NOTE: they depend on ids, image grids and the mask, not on pixels, so the
+    images are left out and the vision tower does not run (the image tokens' embeddings, wrong without
+    pixels, reach nothing but the discarded input of blocks[0]).
+    NOTE: blocks[0] must receive the same keyword arguments as the adapted blocks (one attention type; the
+    caller checks), on top of the assumptions of `capture_trunk`.
+    """
+    _check_frozen_trunk(model, blocks, first_adapted)
+    kwargs = _recompute_kwargs(inputs, _without_last_token(completion_ids))  # (n, P + T - 1)
+    kwargs.pop("pixel_values", None)
+    if hidden_states.shape[:2] != kwargs["input_ids"].shape:
+        raise ValueError(
+            f"recording {tuple(hidden_states.shape)} does not fit the rows {kwargs['input_ids'].shape}"
+        )
+    _, block_kwargs = _capture_block_input(model, kwargs, blocks[0])
+    return Trunk(hidden_states, block_kwargs)
 
 
 # --- advantages and loss ------------------------------------------------------------------------------------

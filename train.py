@@ -149,6 +149,11 @@ class Args:
     stop the run with a checkpoint."""
 
     # --- speed (each one leaves the results unchanged; tests/test_speed.py) ---
+    shared_prefill: bool = True
+    """Sample with our own decoding loop (grpo.sample_shared_prefill): each prompt's prefill runs once and its
+    KV cache is copied to its G rows, and with --trunk-reuse the frozen trunk's output is recorded on the way
+    (no trunk forward left to run). Same tokens as generate. --no-shared-prefill: transformers' generate,
+    which prefills every prompt G times."""
     trunk_reuse: bool = True
     """Run the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad, and only
     the K adapted blocks for the policy, the reference and the old policy. --no-trunk-reuse: a full forward
@@ -235,6 +240,17 @@ def suppressed_tokens(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+@dataclass
+class Completions:
+    """What sampling returns for N rows."""
+
+    ids: torch.Tensor  # (N, T) completion tokens, padding after EOS
+    mask: torch.Tensor  # (N, T) bool, True up to and including the first EOS
+    truncated: torch.Tensor  # (N,) bool, no EOS within max_new_tokens
+    texts: list[str]  # decoded up to the first EOS, special tokens dropped
+    recording: torch.Tensor | None = None  # (N, P + T - 1, H) the trunk's output, if asked for
+
+
 @torch.no_grad()
 def generate_completions(
     model,
@@ -245,15 +261,15 @@ def generate_completions(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str]]:
-    """Sample (temperature 0: greedy) and decode: completion ids (N, T), mask (N, T), truncated (N,), texts.
+    shared_prefill: bool = True,
+    record_block: torch.nn.Module | None = None,
+) -> Completions:
+    """Sample num_return_sequences completions of each prompt row (temperature 0: greedy), mask and decode.
 
-    The texts stop at the first EOS (what comes after it is padding) and drop special tokens.
+    shared_prefill: grpo.sample_shared_prefill (prefill once per prompt; `record_block` records the trunk), else
+    transformers' generate (grpo.sample_completions). Both draw the same tokens for the same seed.
     """
-    ids, _ = grpo.sample_completions(
-        model,
-        inputs,
-        num_return_sequences=num_return_sequences,
+    options = dict(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -261,9 +277,20 @@ def generate_completions(
         pad_token_id=tokenizer.pad_token_id,
         suppress_token_ids=suppressed_tokens(tokenizer),
     )
+    if shared_prefill:
+        ids, recording = grpo.sample_shared_prefill(
+            model, inputs, group_size=num_return_sequences, record_block=record_block, **options
+        )
+    else:
+        if record_block is not None:
+            raise ValueError("recording the trunk needs shared_prefill")
+        ids, recording = (
+            grpo.sample_completions(model, inputs, num_return_sequences=num_return_sequences, **options)[0],
+            None,
+        )
     mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
-    return ids, mask, truncated, texts
+    return Completions(ids, mask, truncated, texts, recording)
 
 
 def cosine_with_warmup(
@@ -445,13 +472,37 @@ class RowChunk:
     trunk: grpo.Trunk | None
 
 
-def make_chunks(model, inputs, completion_ids, args: Args) -> list[RowChunk]:
-    """Split the N rows into micro-batches; with --trunk-reuse run each one's trunk forward here, once."""
+def record_block(model, args: Args) -> torch.nn.Module | None:
+    """blocks[first_adapted], whose input sampling records as the trunk (--shared-prefill --trunk-reuse), or None."""
+    if not (args.shared_prefill and args.trunk_reuse):
+        return None
+    parts = decoder_parts(model, args.lora_last_k)
+    # NOTE: grpo.trunk_from_recording takes the adapted blocks' mask from blocks[0]: same attention type needed.
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    if len(set(types[:1] + types[parts["first_adapted"] :])) > 1:
+        raise ValueError("blocks[0] and the adapted blocks differ in attention type; use --no-shared-prefill")
+    return parts["blocks"][parts["first_adapted"]]
+
+
+def make_chunks(
+    model, inputs, completion_ids, args: Args, recording: torch.Tensor | None = None
+) -> list[RowChunk]:
+    """Split the N rows into micro-batches, each with its trunk (--trunk-reuse): recorded while sampling
+    (`recording`, (N, P + T - 1, H)), or else run here, once."""
     parts = decoder_parts(model, args.lora_last_k)
     chunks = []
     for rows, chunk_inputs in grpo.split_rows(inputs, args.micro_batch_size or completion_ids.shape[0]):
         trunk = None
-        if args.trunk_reuse:  # adapters on or off does not matter: none sits in the trunk
+        if args.trunk_reuse and recording is not None:
+            trunk = grpo.trunk_from_recording(
+                model,
+                chunk_inputs,
+                completion_ids[rows],
+                recording[rows],
+                blocks=parts["blocks"],
+                first_adapted=parts["first_adapted"],
+            )
+        elif args.trunk_reuse:  # adapters on or off does not matter: none sits in the trunk
             trunk = grpo.capture_trunk(
                 model,
                 chunk_inputs,
@@ -530,15 +581,18 @@ def rollout(
     )
     inputs = data.repeat_rows(batch, G).inputs  # prompt b -> rows b*G .. b*G+G-1
     model.eval()
-    completion_ids, mask, truncated, texts = generate_completions(
+    sampled = generate_completions(
         model,
         tokenizer,
-        batch.inputs,  # the B prompts: generate encodes each image once, then expands to the N rows
+        batch.inputs,  # the B prompts: each image encoded once, then expanded to the N rows
         num_return_sequences=G,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
+        shared_prefill=args.shared_prefill,
+        record_block=record_block(model, args),  # the trunk, recorded while sampling
     )
+    completion_ids, mask, truncated, texts = sampled.ids, sampled.mask, sampled.truncated, sampled.texts
     samples = [s for s in prompts for _ in range(G)]
     scores = rewards.score(texts, samples, reward_fns, completion_lengths=mask.sum(1).tolist())
     if args.mask_truncated:  # NOTE: after scoring: they are still scored and logged, they carry no gradient
@@ -550,8 +604,8 @@ def rollout(
     adv = grpo.group_advantages(reward, G, scale=args.adv_scale, clip=args.adv_clip)
     # Old log-probs are only needed when the same rollout is reused for mu > 1 optimizer steps;
     # with mu = 1 the ratio's denominator is the (detached) recompute itself.
-    # With --trunk-reuse the vision tower and the frozen blocks run here once; old, ref and policy reuse them.
-    chunks = make_chunks(model, inputs, completion_ids, args)
+    # With --trunk-reuse the frozen trunk runs once (or was recorded while sampling); old, ref, policy reuse it.
+    chunks = make_chunks(model, inputs, completion_ids, args, sampled.recording)
     old_logp = None
     if args.num_iterations > 1:
         old_logp = no_grad_logprobs(model, chunks, args)
@@ -663,15 +717,17 @@ def evaluate(
         batch = data.prepare_prompts(
             chunk, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
         )
-        _, mask, _, texts = generate_completions(
+        sampled = generate_completions(
             model,
             tokenizer,
             batch.inputs,
             num_return_sequences=1,
             max_new_tokens=args.max_new_tokens,
             temperature=0.0,
+            shared_prefill=args.shared_prefill,
         )
-        scores = rewards.score(texts, chunk, reward_fns, completion_lengths=mask.sum(1).tolist())
+        lengths = sampled.mask.sum(1).tolist()
+        scores = rewards.score(sampled.texts, chunk, reward_fns, completion_lengths=lengths)
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[accuracy_name]]
     return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(totals) / len(totals)}

@@ -10,11 +10,14 @@ How it measures (CPU, fp32, one run, one machine):
 - Both paths live in this one process, each with its own copy of the model and optimizer from the same
   initialisation, and take turns step by step on the same prompts, seeds and rewards, so that a load spike
   from other processes hits both alike. Each path's first step is a warm-up and is not counted.
-- "plain" is train.py with every speed-up off (--no-trunk-reuse, no micro-batches, no checkpointing) and
-  sampling from the G-times repeated rows (as before `num_return_sequences`), which encodes each image G times.
-- Phases, in ms per step (mean over the timed steps): sampling (generate), trunk (vision tower and frozen
-  blocks, once; 0 on the plain path), reference/old (no-grad log-probs), policy fwd+bwd, optimizer (clip +
-  AdamW). Rewards are seeded random numbers: scoring is not model compute.
+- "ours" is train.py's default: sampling with each prompt's prefill run once (grpo.sample_shared_prefill), the
+  frozen trunk recorded on the way, and only the K adapted blocks run for reference, old policy and policy.
+- "plain" is train.py with every speed-up off (--no-shared-prefill --no-trunk-reuse, no micro-batches, no
+  checkpointing) and transformers' generate on the G-times repeated rows (as before `num_return_sequences`),
+  which prefills every prompt and encodes every image G times. Both draw the same tokens (same seed).
+- Phases, in ms per step (mean over the timed steps): sampling, trunk (ours: the recorded trunk's masks and
+  positions, a forward up to the first block; plain: 0), reference/old (no-grad log-probs), policy fwd+bwd,
+  optimizer (clip + AdamW). Rewards are seeded random numbers: scoring is not model compute.
 - tokens/s: completion tokens (up to EOS) per second of a whole step.
 - peak memory: how far the process's resident set (VmHWM, reset before each step through
   /proc/self/clear_refs) rises above its size at the start of the step. CPU torch keeps no allocator
@@ -193,23 +196,30 @@ def run_step(
     inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=train.suppressed_tokens(tokenizer),
+    )
     with record("sampling"):
-        # Plain: the G-times repeated rows, so every image is encoded G times (train.py before the change).
-        ids, _ = grpo.sample_completions(
-            model,
-            inputs if plain else batch.inputs,
-            num_return_sequences=1 if plain else args.group_size,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            suppress_token_ids=train.suppressed_tokens(tokenizer),
-        )
+        # plain: generate on the G-times repeated rows, every prompt prefilled and every image encoded G times
+        if plain:
+            ids, recording = grpo.sample_completions(model, inputs, **options)[0], None
+        else:  # each prompt prefilled once; the trunk's output recorded on the way
+            ids, recording = grpo.sample_shared_prefill(
+                model,
+                batch.inputs,
+                group_size=args.group_size,
+                record_block=train.record_block(model, args),
+                **options,
+            )
     mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed))  # stands in for scoring
     adv = grpo.group_advantages(reward, args.group_size)
-    with record("trunk"):
-        chunks = train.make_chunks(model, inputs, ids, args)  # plain path: only splits the rows
+    with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: only splits the rows
+        chunks = train.make_chunks(model, inputs, ids, args, recording)
     with record("reference/old"):
         old_logp = train.no_grad_logprobs(model, chunks, args) if args.num_iterations > 1 else None
         with lora.adapters_disabled(model):
@@ -239,9 +249,16 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
         num_iterations=bench.num_iterations,
     )
     if plain:
-        return train.Args(**common, trunk_reuse=False, micro_batch_size=None, gradient_checkpointing=False)
+        return train.Args(
+            **common,
+            shared_prefill=False,
+            trunk_reuse=False,
+            micro_batch_size=None,
+            gradient_checkpointing=False,
+        )
     return train.Args(
         **common,
+        shared_prefill=True,
         trunk_reuse=True,
         micro_batch_size=bench.micro_batch_size,
         gradient_checkpointing=bench.gradient_checkpointing,

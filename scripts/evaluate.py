@@ -208,17 +208,16 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
-    inputs = data.repeat_rows(batch, k).inputs  # (B*k, P): sample b -> rows b*k .. b*k+k-1, own images
-    _, mask, truncated, texts = train.generate_completions(
+    sampled = train.generate_completions(
         model,
         tokenizer,
-        inputs,
-        num_return_sequences=1,
+        batch.inputs,  # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
+        num_return_sequences=k,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
         top_p=args.top_p if k > 1 else 1.0,
     )  # (B*k, T)
-    lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
+    texts, lengths, truncated = sampled.texts, sampled.mask.sum(1).tolist(), sampled.truncated.tolist()
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
     return [{"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r]} for r in rows]
 

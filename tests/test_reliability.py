@@ -226,7 +226,8 @@ def test_empty_and_truncated_completions_are_counted_and_mask_truncated_drops_th
 
     monkeypatch.setattr(train.rewards, "score", recording_score)
     out = tmp_path / "run"
-    train.main(small_args(out, steps=1, eval_size=0, mask_truncated=True))
+    # generate's sampler (patched above): the shared-prefill sampler would record a trunk for other tokens.
+    train.main(small_args(out, steps=1, eval_size=0, mask_truncated=True, shared_prefill=False))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["frac_empty"] == 0.5 and record["frac_truncated"] == 0.5
     # Rewards (e.g. DAPO's overlong penalty) see the real token counts, before truncated rows are masked.

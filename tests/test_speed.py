@@ -192,6 +192,112 @@ def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_im
     assert encodings == [3 * G, 3]  # 3 images (2 + 1) in the 2 prompts
 
 
+# --- sampling with a shared prefill -------------------------------------------------------------------------
+
+SAMPLING = dict(eos_token_id=1, pad_token_id=0, suppress_token_ids=SUPPRESS)  # P(EOS) ~ 1/5 per step
+
+
+def prompts_for(kind: str) -> dict[str, torch.Tensor]:
+    """The B = 2 un-expanded prompts (for the VLM: 2 + 1 images)."""
+    return vlm_inputs(group_size=1) if kind == "vlm" else text_inputs(group_size=1)
+
+
+@pytest.mark.parametrize(
+    "kind, temperature, top_p",
+    [("vlm", 0.7, 0.9), ("vlm", 1.0, 1.0), ("vlm", 0.0, 1.0), ("text", 0.7, 0.9), ("text", 0.0, 1.0)]
+    + [("text", 1.0, 1e-6)],  # top_p so small that only the most likely token survives
+)
+def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top_p):
+    model, G = (make_random_vlm() if kind == "vlm" else make_random_causal_lm()), 4
+    options = dict(max_new_tokens=10, temperature=temperature, top_p=top_p, **SAMPLING)
+    if kind == "vlm":  # a text-only batch first: its positions must not leak into the image batch
+        grpo.sample_shared_prefill(model, text_inputs(group_size=1), group_size=G, **options)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        ours, _ = grpo.sample_shared_prefill(model, prompts_for(kind), group_size=G, **options)
+        torch.manual_seed(seed)  # generate on the G-fold repeated rows (greedy refuses num_return_sequences)
+        expanded = vlm_inputs(group_size=G) if kind == "vlm" else text_inputs(group_size=G)
+        reference, _ = grpo.sample_completions(model, expanded, **options)
+        assert torch.equal(ours, reference), seed
+    if (
+        temperature > 0 and top_p > 0.5
+    ):  # rows stopped at different steps: the padding after EOS was exercised
+        lengths = grpo.completion_mask(ours, eos_token_id=1)[0].sum(1)
+        assert len(set(lengths.tolist())) > 1
+
+
+def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
+    model, G = make_random_vlm(), 3
+    _, blocks = lora.find_decoder_blocks(model)
+    fed, encoded = [], count_encoded_images(model)
+    blocks[0].register_forward_pre_hook(lambda _m, args: fed.append(tuple(args[0].shape[:2])))
+    torch.manual_seed(0)
+    ids, _ = grpo.sample_shared_prefill(
+        model, prompts_for("vlm"), group_size=G, max_new_tokens=6, temperature=1.0, **SAMPLING
+    )
+    B, P = prompts_for("vlm")["input_ids"].shape
+    T = ids.shape[1]
+    assert ids.shape[0] == B * G and encoded == [3]  # 2 + 1 images, each through the tower once
+    # generate would feed (B * G, P) first: the prompt G times.
+    assert fed == [(B, P)] + [(B * G, 1)] * (T - 1)  # the last drawn token is never fed
+
+
+@pytest.mark.parametrize("kind", ["vlm", "text"])
+def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradients(kind):
+    model, G = lora_model(kind), 3
+    parts = train.decoder_parts(model, K)
+    torch.manual_seed(0)
+    ids, recording = grpo.sample_shared_prefill(
+        model,
+        prompts_for(kind),
+        group_size=G,
+        max_new_tokens=6,
+        temperature=1.0,
+        record_block=parts["blocks"][parts["first_adapted"]],
+        **SAMPLING,
+    )
+    inputs = inputs_for(kind)  # the same prompts, expanded to the N = 2 * G rows
+    captured = grpo.capture_trunk(
+        model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    # A KV-cache step adds up attention in another order than a full forward: equal to rounding.
+    torch.testing.assert_close(recording, captured.hidden_states, atol=1e-5, rtol=0)
+    trunk = grpo.trunk_from_recording(
+        model, inputs, ids, recording, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+    )
+    full = logprobs_and_grads(
+        model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=0.7, return_entropy=True)
+    )
+    recorded = logprobs_and_grads(
+        model, lambda: grpo.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
+    )
+    assert_same(recorded, full)
+
+
+def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
+    model, G = lora_model("vlm"), 3
+    args = train.Args(
+        lora_last_k=K, group_size=G, temperature=1.0, micro_batch_size=4
+    )  # chunks of 4 + 2 rows
+    torch.manual_seed(0)
+    ids, recording = grpo.sample_shared_prefill(
+        model,
+        prompts_for("vlm"),
+        group_size=G,
+        max_new_tokens=6,
+        temperature=1.0,
+        record_block=train.record_block(model, args),
+        **SAMPLING,
+    )
+    inputs = inputs_for("vlm")
+    chunks = train.make_chunks(model, inputs, ids, args, recording)
+    assert [c.rows for c in chunks] == [slice(0, 4), slice(4, 6)]
+    with torch.no_grad():
+        ours = train.no_grad_logprobs(model, chunks, args)
+        full, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
+    torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
+
+
 # --- micro-batching -----------------------------------------------------------------------------------------
 
 

@@ -262,7 +262,8 @@ def test_rollout_captures_the_trunk_from_every_image_grid_and_mm_token_type(tmp_
     # old_logp, ref_logp and the policy recompute all start from that trunk. Whether the tower sees each
     # prompt's images once or G times (and the forward pixel_values or their embeddings) is grpo's business:
     # checked here is that every image of the rollout went through the tower, with grids and token types.
-    args = small_args(tmp_path, batch_size=3, trunk_reuse=True)
+    # (--no-shared-prefill: the trunk is captured after sampling; the next test records it while sampling.)
+    args = small_args(tmp_path, batch_size=3, trunk_reuse=True, shared_prefill=False)
     model, tokenizer, image_processor = load_tiny_with_lora()
     seen_forward, seen_pixels = [], []
     real_capture = grpo.capture_trunk
@@ -288,12 +289,56 @@ def test_rollout_captures_the_trunk_from_every_image_grid_and_mm_token_type(tmp_
     forward_kwargs = seen_forward[0]
     assert "pixel_values" in forward_kwargs or "mm_encoder_outputs" in forward_kwargs
     assert torch.equal(forward_kwargs["image_grid_thw"], ro.inputs["image_grid_thw"])
-    T = ro.completion_ids.shape[1]
-    assert torch.equal(forward_kwargs["mm_token_type_ids"][:, :-T], ro.inputs["mm_token_type_ids"])
-    assert not forward_kwargs["mm_token_type_ids"][:, -T:].any()
+    P = ro.inputs["input_ids"].shape[1]  # then the completion tokens but the last (it predicts nothing)
+    assert forward_kwargs["input_ids"].shape[1] == P + ro.completion_ids.shape[1] - 1
+    assert torch.equal(forward_kwargs["mm_token_type_ids"][:, :P], ro.inputs["mm_token_type_ids"])
+    assert not forward_kwargs["mm_token_type_ids"][:, P:].any()
     # Every patch of every row's images (and nothing else) went through the vision tower.
     seen = torch.unique(torch.cat(seen_pixels), dim=0)
     assert torch.equal(seen, torch.unique(ro.inputs["pixel_values"], dim=0))
+
+
+def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(tmp_path, monkeypatch):
+    # With --shared-prefill --trunk-reuse the images enter once, in the sampling prefill of the B prompts; the
+    # trunk is what blocks[first_adapted] received while sampling, and no trunk forward runs afterwards.
+    args = small_args(tmp_path, batch_size=3, trunk_reuse=True, shared_prefill=True)
+    model, tokenizer, image_processor = load_tiny_with_lora()
+    encoded, seen_pixels, mask_forwards = [], [], []
+
+    def count(module, args_, kwargs, out) -> None:
+        encoded.append(kwargs["grid_thw"].shape[0])
+        seen_pixels.append(args_[0])
+
+    model.model.visual.register_forward_hook(count, with_kwargs=True)
+    monkeypatch.setattr(grpo, "capture_trunk", lambda *a, **kw: pytest.fail("the trunk was run again"))
+    real_from_recording = grpo.trunk_from_recording
+
+    def spy(model_, inputs, completion_ids, hidden_states, **kwargs):
+        hook = model_.register_forward_pre_hook(lambda _m, _a, kw: mask_forwards.append(kw), with_kwargs=True)
+        try:
+            return real_from_recording(model_, inputs, completion_ids, hidden_states, **kwargs)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(grpo, "trunk_from_recording", spy)
+    ro = make_rollout(model, tokenizer, image_processor, args)
+    assert len(ro.chunks) == 1 and ro.chunks[0].trunk is not None
+    B, G = args.batch_size, args.group_size
+    assert encoded == [int(ro.inputs["image_grid_thw"].shape[0]) // G]  # the B prompts' images, once
+    assert torch.equal(
+        torch.unique(torch.cat(seen_pixels), dim=0), torch.unique(ro.inputs["pixel_values"], dim=0)
+    )
+    # The mask/position forward saw every row's grids and token types (and no pixels: nothing to encode).
+    (forward_kwargs,) = mask_forwards
+    assert "pixel_values" not in forward_kwargs and forward_kwargs["input_ids"].shape[0] == B * G
+    assert torch.equal(forward_kwargs["image_grid_thw"], ro.inputs["image_grid_thw"])
+    P = ro.inputs["input_ids"].shape[1]
+    assert torch.equal(forward_kwargs["mm_token_type_ids"][:, :P], ro.inputs["mm_token_type_ids"])
+    # The recorded trunk gives the log-probs of a full forward with the images.
+    with torch.no_grad():
+        full, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
+        recorded, _ = train.chunk_logprobs(model, ro.chunks[0], args)
+    torch.testing.assert_close(recorded[ro.mask], full[ro.mask], atol=1e-5, rtol=0)
 
 
 def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_image_groups(tmp_path):
