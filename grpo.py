@@ -21,15 +21,23 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
     k3_it    = exp(d_it) - d_it - 1, d = ref_logp - logp   >= 0, unbiased for KL(pi || ref)
     loss     = aggregate(l, m)                            see `aggregate` for the four ways
 
-Pipeline: `sample_completions` -> `completion_mask` -> (rewards, elsewhere) -> `group_advantages` ->
-`completion_logprobs` (with grad for logp, without for old_logp/ref_logp) -> `grpo_loss` -> backward.
+Pipeline: `sample_completions` (or `sample_shared_prefill`) -> `completion_mask` -> (rewards, elsewhere) ->
+`group_advantages` -> `completion_logprobs` (with grad for logp, without for old_logp/ref_logp) -> `grpo_loss`
+-> backward.
 
-Speed-ups, each an exact re-arrangement of that pipeline (tests/test_speed.py compares log-probs and gradients):
+Speed-ups, each an exact re-arrangement of that pipeline (tests/test_speed.py compares tokens, log-probs and
+gradients):
 - `sample_completions(..., num_return_sequences=G)` samples the B prompts G times: each image encoded once.
+- `sample_shared_prefill` goes further: our own decoding loop runs each prompt's prefill (vision tower and all
+  blocks over its P tokens) once and copies the KV cache to its G rows, where generate prefills every prompt G
+  times. It draws generate's tokens for the same seed.
 - Frozen-trunk reuse: with LoRA only in the last K of L blocks, the vision tower and the first L - K blocks
   compute the same activations for policy, old policy and reference. `capture_trunk` runs them once, without
   grad, and keeps what block L - K receives; `trunk_logprobs` runs only the K adapted blocks from there.
-  The G rows of a prompt share its images, so the capture encodes each of them once, not G times.
+  The G rows of a prompt share its images, so the capture encodes each of them once, not G times. Better
+  still, sampling has already computed those activations, one token at a time: `sample_shared_prefill` can
+  record them and `trunk_from_recording` turns the recording into the trunk, so no trunk forward runs at all
+  (equal to the captured trunk to rounding: a KV-cache step sums in another order).
 - Micro-batches: `split_rows` cuts the N rows (and their images) into chunks; `aggregate` takes the whole
   batch's num_rows / num_tokens, so the accumulated gradient equals the unchunked one.
 - Memory: `selective_log_softmax` never holds an (N, T, V) log-softmax; `trunk_logprobs` can checkpoint the

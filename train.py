@@ -32,6 +32,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -155,9 +156,9 @@ class Args:
     (no trunk forward left to run). Same tokens as generate. --no-shared-prefill: transformers' generate,
     which prefills every prompt G times."""
     trunk_reuse: bool = True
-    """Run the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad, and only
-    the K adapted blocks for the policy, the reference and the old policy. --no-trunk-reuse: a full forward
-    for each."""
+    """Compute the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad (with
+    --shared-prefill: recorded while sampling, no extra forward), and run only the K adapted blocks for the
+    policy, the reference and the old policy. --no-trunk-reuse: a full forward for each."""
     micro_batch_size: int | None = None
     """Rows per chunk of the log-prob recomputes and of the backward (gradient accumulation, same loss).
     None: all N = B*G rows at once."""
@@ -693,7 +694,11 @@ def policy_update(model, ro: Rollout, optimizer, scheduler, args: Args, beta: fl
             optimizer.zero_grad(set_to_none=True)
             break
         optimizer.step()
-    scheduler.step()  # the schedule follows the step count, skipped or not
+    with warnings.catch_warnings():
+        # NOTE: the schedule follows the step count, skipped or not. When the very first step is skipped, torch
+        # warns that the scheduler stepped before the optimizer; that order is intended here.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()
     model.eval()
     stats.update(loss=loss, grad_norm=grad_norm.item(), lr=scheduler.get_last_lr()[0], skipped=skipped)
     entropy_sum, num_tokens = sum_across_ranks([(entropy * ro.mask).sum().item(), ro.mask.sum().item()])
@@ -810,13 +815,7 @@ def main(args: Args) -> dict:
         return dry_run(run, args, device)
     writer = rank == 0  # the only rank that writes files, prints progress and evaluates
     start_step, beta = start_run(args, out, writer, run.model, run.optimizer, run.scheduler)
-    ranks = f"; {world} ranks x {args.batch_size} prompts" if world > 1 else ""
-    print_if(
-        writer,
-        f"{args.model}: LoRA r={args.lora_r} on {len(run.wrapped)} modules of the last {args.lora_last_k} "
-        f"blocks, {run.n_trainable:,} trainable parameters; {len(run.train_samples)} training samples; "
-        f"{device}, {dtype}{ranks}",
-    )
+    print_if(writer, describe(run, args, device, dtype, world))
     evaluate_ = functools.partial(
         evaluate,
         run.model,
@@ -839,12 +838,8 @@ def main(args: Args) -> dict:
             if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
                 if run.held_out and (step % args.eval_every == 0 or step == args.steps):
                     record.update(evaluate_())
-                append_jsonl(metrics_path, record)
-                append_jsonl(out / "timings.jsonl", timings)
-                progress(step, args.steps, record, time.time() - t_start)
+                log_step(out, record, timings, args.steps, time.time() - t_start)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-            if record["skipped"] and writer:
-                print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
             halt = halt_reason(stop, bad_in_a_row, args)
             if writer and (step % args.save_every == 0 or step == args.steps or halt):
                 save(
@@ -856,13 +851,34 @@ def main(args: Args) -> dict:
                     f"\nstopped after step {step} ({halt}); checkpoint written. "
                     f"Continue with: python train.py --resume {out} <the same flags>"
                 )
-    if not writer:
-        return {}
+    return finish(run, args, out, time.time() - t_start) if writer else {}
+
+
+def describe(run: Run, args: Args, device: torch.device, dtype: torch.dtype, world: int) -> str:
+    ranks = f"; {world} ranks x {args.batch_size} prompts" if world > 1 else ""
+    return (
+        f"{args.model}: LoRA r={args.lora_r} on {len(run.wrapped)} modules of the last {args.lora_last_k} "
+        f"blocks, {run.n_trainable:,} trainable parameters; {len(run.train_samples)} training samples; "
+        f"{device}, {dtype}{ranks}"
+    )
+
+
+def log_step(out: Path, record: dict, timings: dict, total_steps: int, seconds: float) -> None:
+    """Append the step's metrics and timings, print progress (and a skipped optimizer step)."""
+    append_jsonl(out / "metrics.jsonl", record)
+    append_jsonl(out / "timings.jsonl", timings)
+    progress(record["step"], total_steps, record, seconds)
+    if record["skipped"]:
+        print(f"\nstep {record['step']}: optimizer step skipped ({record['skipped']})")
+
+
+def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
+    """The final adapter, the curves and the summary (rank 0)."""
     print()
     lora.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     plot_curves(records, out / "curves.png")
-    return summarise(records, out, time.time() - t_start)
+    return summarise(records, out, seconds)
 
 
 @dataclass
