@@ -156,6 +156,15 @@ def _check_inputs(inputs: dict[str, torch.Tensor]) -> None:
         raise ValueError("pixel_values and image_grid_thw must be given together")
 
 
+def _check_sampling(
+    temperature: float, top_p: float, eos_token_id: int, suppress_token_ids: Sequence[int]
+) -> None:
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
+    if eos_token_id in suppress_token_ids:
+        raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
+
+
 def _generation_kwargs(
     *,
     max_new_tokens: int,
@@ -247,10 +256,7 @@ def sample_completions(
     after a row's EOS are log-probs of padding, finite and meaningless: mask them with `completion_mask`.
     """
     _check_inputs(inputs)
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
-    if eos_token_id in suppress_token_ids:
-        raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
+    _check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     kwargs = _generation_kwargs(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -722,10 +728,7 @@ def sample_shared_prefill(
     Returns completion ids (N, T) and the recording (or None).
     """
     _check_inputs(inputs)
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
-    if eos_token_id in suppress_token_ids:
-        raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
+    _check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
         raise ValueError(
             f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"

@@ -226,6 +226,30 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
         assert len(set(lengths.tolist())) > 1
 
 
+def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_positions_for():
+    model = make_random_vlm()
+    options = dict(max_new_tokens=4, temperature=1.0, **SAMPLING)
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        grpo.sample_shared_prefill(
+            model, prompts_for("vlm"), group_size=2, **(options | {"max_new_tokens": 0})
+        )
+    with pytest.raises(ValueError, match="eos_token_id"):
+        grpo.sample_shared_prefill(
+            model, prompts_for("vlm"), group_size=2, **(options | {"suppress_token_ids": [1]})
+        )
+    # A multimodal model that keeps no rope_deltas: new tokens would be misnumbered, so it must stop instead.
+    real = model.model.compute_3d_position_ids
+
+    def positions_without_deltas(*args, **kwargs):
+        position_ids = real(*args, **kwargs)
+        model.model.rope_deltas = None
+        return position_ids
+
+    model.model.compute_3d_position_ids = positions_without_deltas
+    with pytest.raises(ValueError, match="rope_deltas"):
+        grpo.sample_shared_prefill(model, prompts_for("vlm"), group_size=2, **options)
+
+
 def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
     model, G = make_random_vlm(), 3
     _, blocks = lora.find_decoder_blocks(model)

@@ -83,12 +83,37 @@ def read_metrics(run_dir: Path) -> list[dict]:
 # Gradient flow
 
 
-# The two recompute paths of policy_update: the frozen trunk captured once per rollout and only the adapted
-# blocks re-run (in micro-batches of 3 rows, gradient accumulation), or the full model forward.
+# The recompute paths of policy_update: the frozen trunk recorded while sampling (default) or captured once
+# per rollout, then only the adapted blocks re-run (in micro-batches of 3 rows, gradient accumulation), or the
+# full model forward.
 RECOMPUTE_PATHS = {
-    "trunk_microbatched": dict(trunk_reuse=True, micro_batch_size=3),
+    "trunk_recorded_microbatched": dict(trunk_reuse=True, micro_batch_size=3),
+    "trunk_captured": dict(trunk_reuse=True, shared_prefill=False),
     "full_forward": dict(trunk_reuse=False),
 }
+
+
+def test_every_sampling_and_recompute_path_gives_the_same_rollout_and_gradient(tmp_path):
+    results = {}
+    for shared_prefill in (True, False):
+        for trunk_reuse in (True, False):
+            args = small_args(tmp_path, batch_size=3, shared_prefill=shared_prefill, trunk_reuse=trunk_reuse)
+            model, tokenizer, image_processor = load_tiny_with_lora()
+            with torch.no_grad():  # non-zero adapters, so that the A's get gradient too
+                for m in lora_modules(model).values():
+                    m.lora_B.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(5))
+            ro = make_rollout(model, tokenizer, image_processor, args)
+            model.zero_grad(set_to_none=True)
+            loss, _, _ = train.accumulate_policy_gradient(model, ro, args, args.beta)
+            grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+            results[shared_prefill, trunk_reuse] = (ro, loss, grads)
+    ro, loss, grads = results[False, False]  # generate + full forwards: the plain path
+    for key, (ro2, loss2, grads2) in results.items():
+        assert torch.equal(ro2.completion_ids, ro.completion_ids) and torch.equal(ro2.reward, ro.reward), key
+        torch.testing.assert_close(ro2.ref_logp[ro.mask], ro.ref_logp[ro.mask], atol=1e-5, rtol=0)
+        assert loss2 == pytest.approx(loss, abs=1e-6), key
+        for name in grads:
+            torch.testing.assert_close(grads2[name], grads[name], atol=1e-6, rtol=1e-4, msg=f"{key} {name}")
 
 
 @pytest.mark.parametrize("path", RECOMPUTE_PATHS)
