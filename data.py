@@ -48,7 +48,7 @@ VISION_END = "<|vision_end|>"
 # JSONL datasets
 
 
-def _where(sample: dict) -> str:
+def location(sample: dict) -> str:
     """'file:line' of a sample read from JSONL, or its id / '<synthetic>' for generated samples."""
     return sample.get("_where") or f"sample {sample.get('id', '<synthetic>')}"
 
@@ -114,14 +114,14 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
         return image.convert("RGB")
     path = Path(image)
     if not path.is_file():
-        raise ValueError(f"{_where(sample)}: image {path} not found")
+        raise ValueError(f"{location(sample)}: image {path} not found")
     if path.stat().st_size == 0:
-        raise ValueError(f"{_where(sample)}: image {path} is an empty file")
+        raise ValueError(f"{location(sample)}: image {path} is an empty file")
     try:
         with Image.open(path) as im:
             return im.convert("RGB")  # convert() forces a full decode, so truncated files fail here
     except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{_where(sample)}: image {path} cannot be decoded ({e})") from e
+        raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ def render_summaries(sample: dict, template: str | None = None) -> str:
         return (template or DEFAULT_SUMMARY_TEMPLATE).format_map(fields)
     except KeyError as e:
         raise ValueError(
-            f"{_where(sample)}: prompt template has an unknown placeholder {e}; known: {', '.join(fields)}"
+            f"{location(sample)}: prompt template has an unknown placeholder {e}; known: {', '.join(fields)}"
         ) from e
 
 
@@ -211,7 +211,7 @@ def prepare_prompts(
     if images:
         if image_processor is None:
             raise ValueError(
-                f"{_where(samples[0])}: this model has no image processor (text-only) but got images"
+                f"{location(samples[0])}: this model has no image processor (text-only) but got images"
             )
         vision = image_processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
@@ -246,7 +246,7 @@ def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
     text = tokenizer.apply_chat_template(sample_messages(sample), tokenize=False, add_generation_prompt=True)
     if text.count(IMAGE_PAD) != num_images:
         raise ValueError(
-            f"{_where(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
+            f"{location(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
             f"sample has {num_images} images"
         )
     return text
@@ -255,7 +255,7 @@ def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
 def _check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
     if max_prompt_length is not None and length > max_prompt_length:
         raise ValueError(
-            f"{_where(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
+            f"{location(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
             f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
             f"cut through the image tokens would no longer match pixel_values)"
         )
@@ -272,7 +272,7 @@ def check_samples(samples: list[dict], tokenizer, image_processor, *, max_prompt
         sizes = [load_image(im, sample).size for im in sample.get("images", [])]  # corrupt files fail here
         if sizes and image_processor is None:
             raise ValueError(
-                f"{_where(sample)}: this model has no image processor (text-only) but got images"
+                f"{location(sample)}: this model has no image processor (text-only) but got images"
             )
         text = _chat_text(sample, tokenizer, len(sizes))
         length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each

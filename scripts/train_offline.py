@@ -226,7 +226,7 @@ def sequence_mean_logp(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def check_scored(sample: dict) -> dict:
     """Validate `completions`/`scores` of a sample read by data.read_jsonl; errors name its file:line."""
-    where = data._where(sample)
+    where = data.location(sample)
     completions, scores = sample.get("completions"), sample.get("scores")
     if not isinstance(completions, list) or not all(isinstance(c, str) for c in completions):
         raise ValueError(f"{where}: field 'completions' must be a list of strings")
@@ -322,11 +322,11 @@ def tokenize_completion(text: str, tokenizer, sample: dict, max_completion_lengt
     ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     if tokenizer.eos_token_id in ids[:-1]:  # the mask would end there and drop the rest silently
         raise ValueError(
-            f"{data._where(sample)}: a completion contains the EOS token {tokenizer.eos_token!r}"
+            f"{data.location(sample)}: a completion contains the EOS token {tokenizer.eos_token!r}"
         )
     if len(ids) > max_completion_length:
         raise ValueError(
-            f"{data._where(sample)}: a completion is {len(ids)} tokens (EOS included), more than "
+            f"{data.location(sample)}: a completion is {len(ids)} tokens (EOS included), more than "
             f"max_completion_length={max_completion_length}; raise the limit (it is never truncated)"
         )
     return ids
