@@ -14,9 +14,9 @@ of the k correct), `format_valid` (samples with a `label` only), `completion_tok
 `ground_truth` (whichever of label / answer / bbox the sample has).
 
 k = --num-samples. k = 1 decodes greedily (--temperature is ignored); k > 1 samples k completions per
-prompt at --temperature / --top-p, seeded by --seed, and pass@k is the share of samples with any correct.
-NOTE: a resumed sampled run does not redraw the same completions an uninterrupted run would have drawn
-(the RNG stream restarts); greedy runs are unaffected.
+prompt at --temperature / --top-p, and pass@k is the share of samples with any correct. Each batch of
+--batch-size samples is seeded from --seed and its index, so the draws do not depend on what ran before:
+a resumed run, and both columns of --compare, draw the same completions as an uninterrupted single run.
 
 Resuming: every line is written with its newline, flushed and fsynced before the next sample. On start the
 existing output is read, a torn last line (a kill mid-write: no newline, or invalid JSON) is cut off the
@@ -86,7 +86,8 @@ class Args:
 
     # --- generation ---
     batch_size: int = 16
-    """Prompts per generate call (each expanded to --num-samples rows)."""
+    """Prompts per generate call (each sampled --num-samples times). With --num-samples > 1 it also decides
+    the draws: each batch is seeded by --seed and its index."""
     num_samples: int = 1
     """k completions per prompt. 1: greedy. > 1: sampled at --temperature, and pass@k is reported."""
     temperature: float = 1.0
@@ -276,20 +277,33 @@ def print_table(columns: dict[str, dict]) -> None:
 # Main
 
 
+def batch_seed(seed: int, index: int) -> int:
+    """The RNG seed of batch `index`: each batch's draws depend on --seed and its place, nothing else."""
+    return seed * 1_000_000 + index
+
+
 def evaluate_to_file(
     model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
 ):
-    """Evaluate the samples not yet in `path`, one appended line each; return the whole file's summary."""
+    """Evaluate the samples not yet in `path`, one appended line each; return the whole file's summary.
+
+    The samples are cut into the same batches on every run, each seeded by `batch_seed`, so a resumed sampled
+    run draws what an uninterrupted one draws: a batch that was partly written is generated again in whole
+    (the same draws) and only its missing samples are written.
+    """
     done = {(r["source"], r["id"]) for r in read_done(path)}
-    todo = [s for s in samples if (s["_source"], s["_id"]) not in done]
-    print(f"{path}: {len(samples) - len(todo)} of {len(samples)} samples already done")
+    print(f"{path}: {len(done)} of {len(samples)} samples already done")
+    batches = [samples[i : i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
     with path.open("a", encoding="utf-8") as f:
-        for start in range(0, len(todo), args.batch_size):
-            chunk = todo[start : start + args.batch_size]
-            generated = generate(model, tokenizer, image_processor, chunk, args, device)
-            for sample, completions in zip(chunk, generated):
-                append_line(f, score_sample(sample, completions, reward_fns, accuracy_name))
-            print(f"  {start + len(chunk)}/{len(todo)}", flush=True)
+        for index, batch in enumerate(batches):
+            if all((s["_source"], s["_id"]) in done for s in batch):
+                continue
+            torch.manual_seed(batch_seed(args.seed, index))
+            generated = generate(model, tokenizer, image_processor, batch, args, device)
+            for sample, completions in zip(batch, generated):
+                if (sample["_source"], sample["_id"]) not in done:
+                    append_line(f, score_sample(sample, completions, reward_fns, accuracy_name))
+            print(f"  batch {index + 1}/{len(batches)}", flush=True)
     summary = summarise(read_done(path))
     write_json_atomic(path.with_suffix(".summary.json"), summary)
     return summary
@@ -319,6 +333,7 @@ def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool) ->
         "rewards": [[r.name, r.weight, r.gate] for r in reward_fns],
         "accuracy_reward": accuracy_name,
         "seed": args.seed,
+        "batch_size": args.batch_size if sampled else None,  # sampled draws are seeded per batch
         "dtype": args.dtype,
     }
 
@@ -345,7 +360,6 @@ def main(args: Args) -> dict[str, dict]:
     summaries = {}
     for name, path, adapter_on in planned_runs(args):
         check_settings(path, settings_of(args, reward_fns, accuracy_name, adapter_on), args.overwrite)
-        torch.manual_seed(args.seed)  # both columns of --compare draw from the same RNG stream
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:

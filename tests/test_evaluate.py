@@ -101,6 +101,18 @@ def test_pass_at_k_is_any_of_k_sampled_completions_correct(tmp_path):
         evaluate.main(small_args(out, eval_size=4))
 
 
+def test_a_resumed_sampled_run_draws_what_an_uninterrupted_run_draws(tmp_path):
+    out = tmp_path / "pass2.jsonl"
+    sampled = dict(eval_size=8, batch_size=4, num_samples=2, temperature=1.0)
+    evaluate.main(small_args(out, **sampled))
+    complete = read_lines(out)
+    # Killed after 5 lines: batch 1 (samples 4-7) was partly written; its missing lines must match exactly.
+    out.write_text("".join(line + "\n" for line in complete[:5]), encoding="utf-8")
+    evaluate.main(small_args(out, **sampled))
+    assert read_lines(out) == complete
+    assert len({tuple(r["completions"]) for r in records(out)}) > 1  # really sampled, not all alike
+
+
 @pytest.fixture
 def random_adapter(tmp_path) -> Path:
     """An adapter whose B matrices are random (B = 0 would leave the model unchanged)."""
