@@ -282,13 +282,11 @@ def generate_completions(
         ids, recording = grpo.sample_shared_prefill(
             model, inputs, group_size=num_return_sequences, record_block=record_block, **options
         )
+    elif record_block is not None:
+        raise ValueError("recording the trunk needs shared_prefill")
     else:
-        if record_block is not None:
-            raise ValueError("recording the trunk needs shared_prefill")
-        ids, recording = (
-            grpo.sample_completions(model, inputs, num_return_sequences=num_return_sequences, **options)[0],
-            None,
-        )
+        ids, _ = grpo.sample_completions(model, inputs, num_return_sequences=num_return_sequences, **options)
+        recording = None
     mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
     texts = tokenizer.batch_decode(ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
     return Completions(ids, mask, truncated, texts, recording)
