@@ -88,57 +88,68 @@ _INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", 
 
 
 class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits)[index] with a hand-written backward, one row at a time in both directions.
+    """log softmax(logits / temperature)[index] with a hand-written backward, one row at a time both ways.
 
     Autograd through a plain row loop would keep every row's fp32 upcast alive for logsumexp's backward (twice
     the size of a bf16 logits tensor). Here only the logits (alive anyway) and an (N, T) logsumexp are saved.
+    The temperature divides each upcast row, so bf16 logits are never divided (and rounded again) in bf16.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
         # At least fp32: a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in the ratio.
         dtype = torch.promote_types(logits.dtype, torch.float32)
         # One (T, V) upcast (plus logsumexp's temporaries) is alive at a time, never an (N, T, V) one.
-        lse = torch.stack([torch.logsumexp(row.to(dtype), dim=-1) for row in logits])  # (N, T)
-        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).to(dtype)  # (N, T)
+        lse = torch.stack([torch.logsumexp(row.to(dtype) / temperature, dim=-1) for row in logits])  # (N, T)
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1).to(dtype) / temperature  # (N, T)
         ctx.save_for_backward(logits, index, lse)
+        ctx.temperature = temperature
         return picked - lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, index, lse = ctx.saved_tensors
+        scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
         grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
         for i in range(logits.shape[0]):
-            # d logp / d logits = onehot(index) - softmax(logits), scaled by the incoming grad (T,).
-            row = torch.exp(logits[i].to(lse.dtype) - lse[i, :, None]).mul_(-grad[i, :, None])  # (T, V)
-            row.scatter_add_(-1, index[i, :, None], grad[i, :, None])
+            # d logp / d z = onehot(index) - softmax(z) for z = logits / temperature, times the incoming grad.
+            z = logits[i].to(lse.dtype) / ctx.temperature  # (T, V)
+            row = torch.exp(z.sub_(lse[i, :, None])).mul_(-scale[i, :, None])  # (T, V)
+            row.scatter_add_(-1, index[i, :, None], scale[i, :, None])
             grad_logits[i] = row
-        return grad_logits, None
+        return grad_logits, None, None
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log p(index) = logits.gather(index) - logsumexp(logits), for logits (N, T, V) and index (N, T).
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(index) = logits.gather(index) / temperature - logsumexp(logits / temperature), for logits (N, T, V)
+    and index (N, T).
 
-    Equal to `log_softmax(logits, -1).gather(-1, index)` without ever holding an (N, T, V) log-softmax: the
-    logsumexp is computed row by row, so the extra peak memory is one row's (T, V) temporaries, about 2/N of
-    an fp32 logits tensor (4/N of a bf16 one, whose rows are upcast). Autograd saves nothing beyond the
-    logits.
-    Returns (N, T) in fp32 for fp32/bf16/fp16 logits (fp64 stays fp64): for bf16 the logsumexp is taken in
-    fp32, since that is where a log-prob loses its precision; the gathered logit is exact in any dtype.
+    Equal to `log_softmax(logits / temperature, -1).gather(-1, index)` without ever holding an (N, T, V)
+    log-softmax or a divided copy of the logits: the logsumexp is computed row by row, so the extra peak memory
+    is one row's (T, V) temporaries, about 2/N of an fp32 logits tensor (4/N of a bf16 one, whose rows are
+    upcast). Autograd saves nothing beyond the logits.
+    Returns (N, T) in fp32 for fp32/bf16/fp16 logits (fp64 stays fp64): for bf16 the division and the
+    logsumexp are done in fp32, since that is where a log-prob loses its precision; the gathered logit is
+    exact in any dtype.
     NOTE: non-finite logits are not sanitised: -inf at a non-chosen token is fine (it has zero probability);
     NaN anywhere in a row, or -inf at the chosen token, makes that log-prob NaN/-inf.
     """
-    return _SelectiveLogSoftmax.apply(logits, index)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _SelectiveLogSoftmax.apply(logits, index, float(temperature))
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy (N, T) of softmax(logits) for logits (N, T, V), row by row, without grad (it is a metric)."""
+def _entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy (N, T) of softmax(logits / temperature) for logits (N, T, V), row by row, without grad (a
+    metric)."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
     with torch.no_grad():
         # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
         return torch.stack(
-            [torch.special.entr(torch.softmax(row.to(dtype), dim=-1)).sum(-1) for row in logits]
+            [torch.special.entr(torch.softmax(row.to(dtype) / temperature, dim=-1)).sum(-1) for row in logits]
         )
 
 
@@ -274,9 +285,9 @@ def sample_completions(
         return completion_ids, None
     # out.logits are the raw logits, before temperature, top_p and suppression are applied.
     logits = torch.stack(out.logits, dim=1)  # (N, T, V)
-    if temperature > 0:
-        logits = logits / temperature
-    return completion_ids, selective_log_softmax(logits, completion_ids)
+    return completion_ids, selective_log_softmax(
+        logits, completion_ids, temperature if temperature > 0 else 1.0
+    )
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,21 +336,14 @@ def _recompute_kwargs(
     return kwargs
 
 
-def _divide_by_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature (temperature 0, greedy, counts as 1), in place."""
-    if temperature > 0 and temperature != 1:
-        # In place, to avoid a second (N, T, V) tensor; safe: lm_head's backward never reads its output
-        # (were a model's last op to need it, autograd would raise, not silently go wrong).
-        logits.div_(temperature)
-    return logits
-
-
 def _logprobs_and_entropy(
-    logits: torch.Tensor, completion_ids: torch.Tensor, *, return_entropy: bool
+    logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp (N, T) of the completion tokens [and the entropy (N, T)] from the already shifted logits (N, T, V)."""
-    logp = selective_log_softmax(logits, completion_ids)  # (N, T)
-    return logp, (_entropy(logits) if return_entropy else None)
+    """logp (N, T) of the completion tokens [and the entropy (N, T)] under softmax(logits / temperature), from
+    the already shifted logits (N, T, V). Temperature 0 (greedy) counts as 1."""
+    temperature = temperature if temperature > 0 else 1.0
+    logp = selective_log_softmax(logits, completion_ids, temperature)  # (N, T)
+    return logp, (_entropy(logits, temperature) if return_entropy else None)
 
 
 def completion_logprobs(
@@ -363,11 +367,12 @@ def completion_logprobs(
     T = completion_ids.shape[1]
     # Only the last T + 1 positions' logits: the prompt's are never needed. use_cache=False: no KV cache.
     out = model(**_recompute_kwargs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
-    logits = _divide_by_temperature(out.logits, temperature)  # (N, T + 1, V) positions P - 1 .. P + T - 1
     # Off-by-one: the logit at position j predicts token j + 1. Position P - 1 (last prompt token) predicts
     # completion token 0; the last position predicts a token past the end and is dropped.
-    logits = logits[:, :-1]  # (N, T, V)
-    return _logprobs_and_entropy(logits, completion_ids, return_entropy=return_entropy)
+    logits = out.logits[:, :-1]  # (N, T, V) positions P - 1 .. P + T - 2
+    return _logprobs_and_entropy(
+        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
+    )
 
 
 # --- speed: micro-batches and the frozen trunk ---------------------------------------------------------------
@@ -607,8 +612,10 @@ def trunk_logprobs(
     # completion tokens. The final norm acts on each position alone, so normalising only them equals the
     # model's norm-then-slice.
     hidden_states = hidden_states[:, -T:]  # (n, T, H)
-    logits = _divide_by_temperature(lm_head(norm(hidden_states)), temperature)  # (n, T, V)
-    return _logprobs_and_entropy(logits, completion_ids, return_entropy=return_entropy)
+    logits = lm_head(norm(hidden_states))  # (n, T, V)
+    return _logprobs_and_entropy(
+        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
+    )
 
 
 # --- speed: sampling with each prompt's prefill run once -----------------------------------------------------
@@ -737,7 +744,10 @@ def sample_shared_prefill(
         logits, cache, position = _prefill(model, inputs, group_size)  # (N, V), N rows, (N, 1)
         N = logits.shape[0]
         mask = inputs["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
-        suppressed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)  # (V,)
+        V = logits.shape[-1]
+        if any(not 0 <= t < V for t in suppress_token_ids):  # NOTE: a negative id would index from the end
+            raise ValueError(f"suppress_token_ids must lie in [0, {V}), got {sorted(suppress_token_ids)}")
+        suppressed = torch.zeros(V, dtype=torch.bool, device=logits.device)  # (V,)
         suppressed[list(suppress_token_ids)] = True
         running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
         tokens = []
@@ -786,6 +796,13 @@ def trunk_from_recording(
     caller checks), on top of the assumptions of `capture_trunk`.
     """
     _check_frozen_trunk(model, blocks, first_adapted)
+    # NOTE: a full forward would refuse image placeholders in a completion (no pixels for them); this one has
+    # no pixels at all, so it checks itself. Sampling suppresses them (train.suppressed_tokens).
+    placeholders = [getattr(model.config, key, None) for key in ("image_token_id", "video_token_id")]
+    if any(t is not None and bool((completion_ids == t).any()) for t in placeholders):
+        raise ValueError(
+            "a completion contains an image/video placeholder token: suppress them when sampling"
+        )
     kwargs = _recompute_kwargs(inputs, _without_last_token(completion_ids))  # (n, P + T - 1)
     kwargs.pop("pixel_values", None)
     if hidden_states.shape[:2] != kwargs["input_ids"].shape:

@@ -141,6 +141,33 @@ def test_selective_log_softmax_gradcheck_fp64_and_minus_inf_logits():
     assert torch.isfinite(masked.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_divides_by_the_temperature_in_fp32(dtype):
+    torch.manual_seed(0)
+    logits = (5 * torch.randn(3, 4, 1000)).to(dtype).requires_grad_()
+    index = torch.randint(0, 1000, (3, 4))
+    upstream = torch.randn(3, 4)
+    ours = grpo.selective_log_softmax(logits, index, 0.7)
+    (ours * upstream).sum().backward()
+    # Reference: the same (rounded) logits, upcast first, then divided: no bf16 rounding of logits / 0.7.
+    logits_ref = logits.detach().float().requires_grad_()
+    ref = torch.log_softmax(logits_ref / 0.7, -1).gather(-1, index[..., None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient itself is stored in bf16
+    torch.testing.assert_close(logits.grad.float(), logits_ref.grad, atol=tolerance, rtol=tolerance)
+    if dtype == torch.bfloat16:  # dividing in bf16 first (the old way) is measurably worse
+        divided_in_bf16 = torch.log_softmax((logits.detach() / 0.7).float(), -1).gather(-1, index[..., None])
+        assert (divided_in_bf16.squeeze(-1) - ref).abs().max() > 10 * (ours - ref).abs().max()
+
+
+def test_selective_log_softmax_with_temperature_gradcheck_fp64():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 7, (2, 3))
+    assert torch.autograd.gradcheck(lambda x: grpo.selective_log_softmax(x, index, 0.6), (logits,))
+
+
 def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
     logits = torch.randn(8, 16, 512).bfloat16().requires_grad_()
     index = torch.randint(0, 512, (8, 16))

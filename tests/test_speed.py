@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_random_causal_lm, make_random_vlm
+from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
 
 import grpo
@@ -226,6 +226,33 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
         assert len(set(lengths.tolist())) > 1
 
 
+@pytest.mark.parametrize(
+    "case, overrides",
+    [
+        (
+            "whole vocabulary, nothing suppressed",
+            dict(suppress_token_ids=[]),
+        ),  # would expose an inherited top_k
+        ("pad == eos", dict(pad_token_id=1)),
+        ("one completion per prompt", dict(group_size=1)),
+        ("one new token", dict(max_new_tokens=1)),
+    ],
+)
+def test_shared_prefill_matches_generate_at_the_edges(case, overrides):
+    model = make_random_vlm()
+    options = dict(max_new_tokens=8, temperature=1.0, **SAMPLING) | overrides
+    G = options.pop("group_size", 3)
+    grpo.sample_shared_prefill(model, prompts_for("vlm"), group_size=2, **options)  # an image batch first
+    for kind in ("text", "vlm"):  # then a text batch: the image batch's positions must not leak into it
+        inputs = prompts_for(kind)
+        torch.manual_seed(0)
+        ours, _ = grpo.sample_shared_prefill(model, inputs, group_size=G, **options)
+        torch.manual_seed(0)
+        expanded = vlm_inputs(group_size=G) if kind == "vlm" else text_inputs(group_size=G)
+        reference, _ = grpo.sample_completions(model, expanded, **options)
+        assert torch.equal(ours, reference), (case, kind)
+
+
 def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_positions_for():
     model = make_random_vlm()
     options = dict(max_new_tokens=4, temperature=1.0, **SAMPLING)
@@ -237,6 +264,11 @@ def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_
         grpo.sample_shared_prefill(
             model, prompts_for("vlm"), group_size=2, **(options | {"suppress_token_ids": [1]})
         )
+    for out_of_range in (VOCAB, -3):  # generate would ignore them; a negative id would hit token V - 3
+        with pytest.raises(ValueError, match="must lie in"):
+            grpo.sample_shared_prefill(
+                model, prompts_for("vlm"), group_size=2, **(options | {"suppress_token_ids": [out_of_range]})
+            )
     # A multimodal model that keeps no rope_deltas: new tokens would be misnumbered, so it must stop instead.
     real = model.model.compute_3d_position_ids
 
@@ -296,6 +328,20 @@ def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradi
         model, lambda: grpo.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
     )
     assert_same(recorded, full)
+
+
+def test_a_recorded_trunk_refuses_completions_with_image_placeholders():
+    # A full forward would fail on them (no pixels for those tokens); the recorded trunk has no pixels at all.
+    model = lora_model("vlm")
+    parts = train.decoder_parts(model, K)
+    inputs, ids = inputs_for("vlm"), hand_completions()
+    S = inputs["input_ids"].shape[1] + ids.shape[1] - 1
+    recording = torch.zeros(ids.shape[0], S, model.config.get_text_config().hidden_size)
+    ids[2, 1] = IMAGE_PAD_ID
+    with pytest.raises(ValueError, match="placeholder"):
+        grpo.trunk_from_recording(
+            model, inputs, ids, recording, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
+        )
 
 
 def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
