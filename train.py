@@ -833,11 +833,11 @@ def main(args: Args) -> dict:
         for step in range(start_step + 1, args.steps + 1):
             record, timings = train_step(step, run, args, beta, device, rank, world)  # sample, score, update
             beta = next_beta(beta, record, args)
+            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
             if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
                 if run.held_out and (step % args.eval_every == 0 or step == args.steps):
                     record.update(evaluate_())
-                log_step(out, record, timings, args.steps, time.time() - t_start)
-            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+                log_step(out, record, timings, args.steps, time.time() - t_start, bad_in_a_row)
             halt = halt_reason(stop, bad_in_a_row, args)
             if writer and (step % args.save_every == 0 or step == args.steps or halt):
                 save(
@@ -861,13 +861,17 @@ def describe(run: Run, args: Args, device: torch.device, dtype: torch.dtype, wor
     )
 
 
-def log_step(out: Path, record: dict, timings: dict, total_steps: int, seconds: float) -> None:
+def log_step(
+    out: Path, record: dict, timings: dict, total_steps: int, seconds: float, bad_in_a_row: int
+) -> None:
     """Append the step's metrics and timings, print progress (and a skipped optimizer step)."""
     append_jsonl(out / "metrics.jsonl", record)
     append_jsonl(out / "timings.jsonl", timings)
     progress(record["step"], total_steps, record, seconds)
     if record["skipped"]:
-        print(f"\nstep {record['step']}: optimizer step skipped ({record['skipped']})")
+        print(
+            f"\nstep {record['step']}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row"
+        )
 
 
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:

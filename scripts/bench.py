@@ -196,26 +196,20 @@ def run_step(
     inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
-    options = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=train.suppressed_tokens(tokenizer),
-    )
     with record("sampling"):
-        # plain: generate on the G-times repeated rows, every prompt prefilled and every image encoded G times
-        if plain:
-            ids, recording = grpo.sample_completions(model, inputs, **options)[0], None
-        else:  # each prompt prefilled once; the trunk's output recorded on the way
-            ids, recording = grpo.sample_shared_prefill(
-                model,
-                batch.inputs,
-                group_size=args.group_size,
-                record_block=train.record_block(model, args),
-                **options,
-            )
-    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)
+        # train.py's sampling (ids, mask and texts); plain: generate on the G-times repeated rows, every prompt
+        # prefilled and every image encoded G times; ours: each prompt prefilled once, the trunk recorded.
+        sampled = train.generate_completions(
+            model,
+            tokenizer,
+            inputs if plain else batch.inputs,
+            num_return_sequences=1 if plain else args.group_size,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            shared_prefill=args.shared_prefill,
+            record_block=train.record_block(model, args),
+        )
+    ids, mask, truncated, recording = sampled.ids, sampled.mask, sampled.truncated, sampled.recording
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed))  # stands in for scoring
     adv = grpo.group_advantages(reward, args.group_size)
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: only splits the rows

@@ -292,18 +292,20 @@ def evaluate_to_file(
     (the same draws) and only its missing samples are written.
     """
     done = {(r["source"], r["id"]) for r in read_done(path)}
-    print(f"{path}: {len(done)} of {len(samples)} samples already done")
-    batches = [samples[i : i + args.batch_size] for i in range(0, len(samples), args.batch_size)]
+    is_done = [(s["_source"], s["_id"]) in done for s in samples]
+    print(f"{path}: {sum(is_done)} of {len(samples)} samples already done")
+    bs = args.batch_size
     with path.open("a", encoding="utf-8") as f:
-        for index, batch in enumerate(batches):
-            if all((s["_source"], s["_id"]) in done for s in batch):
+        for index, start in enumerate(range(0, len(samples), bs)):
+            batch, batch_done = samples[start : start + bs], is_done[start : start + bs]
+            if all(batch_done):
                 continue
             torch.manual_seed(batch_seed(args.seed, index))
             generated = generate(model, tokenizer, image_processor, batch, args, device)
-            for sample, completions in zip(batch, generated):
-                if (sample["_source"], sample["_id"]) not in done:
+            for sample, completions, written in zip(batch, generated, batch_done):
+                if not written:
                     append_line(f, score_sample(sample, completions, reward_fns, accuracy_name))
-            print(f"  batch {index + 1}/{len(batches)}", flush=True)
+            print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)
     summary = summarise(read_done(path))
     write_json_atomic(path.with_suffix(".summary.json"), summary)
     return summary

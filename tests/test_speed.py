@@ -34,8 +34,9 @@ def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:
     return model
 
 
-def inputs_for(kind: str) -> dict[str, torch.Tensor]:
-    return vlm_inputs(group_size=3) if kind == "vlm" else text_inputs(group_size=3)  # N = 6 rows
+def inputs_for(kind: str, group_size: int = 3) -> dict[str, torch.Tensor]:
+    """The B = 2 prompts (for the VLM: 2 + 1 images), each repeated group_size times (N = 6 rows by default)."""
+    return vlm_inputs(group_size) if kind == "vlm" else text_inputs(group_size)
 
 
 def logprobs_and_grads(model, logprobs_fn) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -197,11 +198,6 @@ def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_im
 SAMPLING = dict(eos_token_id=1, pad_token_id=0, suppress_token_ids=SUPPRESS)  # P(EOS) ~ 1/5 per step
 
 
-def prompts_for(kind: str) -> dict[str, torch.Tensor]:
-    """The B = 2 un-expanded prompts (for the VLM: 2 + 1 images)."""
-    return vlm_inputs(group_size=1) if kind == "vlm" else text_inputs(group_size=1)
-
-
 @pytest.mark.parametrize(
     "kind, temperature, top_p",
     [("vlm", 0.7, 0.9), ("vlm", 1.0, 1.0), ("vlm", 0.0, 1.0), ("text", 0.7, 0.9), ("text", 0.0, 1.0)]
@@ -214,9 +210,9 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
         grpo.sample_shared_prefill(model, text_inputs(group_size=1), group_size=G, **options)
     for seed in range(3):
         torch.manual_seed(seed)
-        ours, _ = grpo.sample_shared_prefill(model, prompts_for(kind), group_size=G, **options)
+        ours, _ = grpo.sample_shared_prefill(model, inputs_for(kind, 1), group_size=G, **options)
         torch.manual_seed(seed)  # generate on the G-fold repeated rows (greedy refuses num_return_sequences)
-        expanded = vlm_inputs(group_size=G) if kind == "vlm" else text_inputs(group_size=G)
+        expanded = inputs_for(kind, G)
         reference, _ = grpo.sample_completions(model, expanded, **options)
         assert torch.equal(ours, reference), seed
     if (
@@ -242,13 +238,13 @@ def test_shared_prefill_matches_generate_at_the_edges(case, overrides):
     model = make_random_vlm()
     options = dict(max_new_tokens=8, temperature=1.0, **SAMPLING) | overrides
     G = options.pop("group_size", 3)
-    grpo.sample_shared_prefill(model, prompts_for("vlm"), group_size=2, **options)  # an image batch first
+    grpo.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)  # an image batch first
     for kind in ("text", "vlm"):  # then a text batch: the image batch's positions must not leak into it
-        inputs = prompts_for(kind)
+        inputs = inputs_for(kind, 1)
         torch.manual_seed(0)
         ours, _ = grpo.sample_shared_prefill(model, inputs, group_size=G, **options)
         torch.manual_seed(0)
-        expanded = vlm_inputs(group_size=G) if kind == "vlm" else text_inputs(group_size=G)
+        expanded = inputs_for(kind, G)
         reference, _ = grpo.sample_completions(model, expanded, **options)
         assert torch.equal(ours, reference), (case, kind)
 
@@ -258,16 +254,19 @@ def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_
     options = dict(max_new_tokens=4, temperature=1.0, **SAMPLING)
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):
         grpo.sample_shared_prefill(
-            model, prompts_for("vlm"), group_size=2, **(options | {"max_new_tokens": 0})
+            model, inputs_for("vlm", 1), group_size=2, **(options | {"max_new_tokens": 0})
         )
     with pytest.raises(ValueError, match="eos_token_id"):
         grpo.sample_shared_prefill(
-            model, prompts_for("vlm"), group_size=2, **(options | {"suppress_token_ids": [1]})
+            model, inputs_for("vlm", 1), group_size=2, **(options | {"suppress_token_ids": [1]})
         )
     for out_of_range in (VOCAB, -3):  # generate would ignore them; a negative id would hit token V - 3
         with pytest.raises(ValueError, match="must lie in"):
             grpo.sample_shared_prefill(
-                model, prompts_for("vlm"), group_size=2, **(options | {"suppress_token_ids": [out_of_range]})
+                model,
+                inputs_for("vlm", 1),
+                group_size=2,
+                **(options | {"suppress_token_ids": [out_of_range]}),
             )
     # A multimodal model that keeps no rope_deltas: new tokens would be misnumbered, so it must stop instead.
     real = model.model.compute_3d_position_ids
@@ -279,7 +278,7 @@ def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_
 
     model.model.compute_3d_position_ids = positions_without_deltas
     with pytest.raises(ValueError, match="rope_deltas"):
-        grpo.sample_shared_prefill(model, prompts_for("vlm"), group_size=2, **options)
+        grpo.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)
 
 
 def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
@@ -289,9 +288,9 @@ def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
     blocks[0].register_forward_pre_hook(lambda _m, args: fed.append(tuple(args[0].shape[:2])))
     torch.manual_seed(0)
     ids, _ = grpo.sample_shared_prefill(
-        model, prompts_for("vlm"), group_size=G, max_new_tokens=6, temperature=1.0, **SAMPLING
+        model, inputs_for("vlm", 1), group_size=G, max_new_tokens=6, temperature=1.0, **SAMPLING
     )
-    B, P = prompts_for("vlm")["input_ids"].shape
+    B, P = inputs_for("vlm", 1)["input_ids"].shape
     T = ids.shape[1]
     assert ids.shape[0] == B * G and encoded == [3]  # 2 + 1 images, each through the tower once
     # generate would feed (B * G, P) first: the prompt G times.
@@ -305,7 +304,7 @@ def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradi
     torch.manual_seed(0)
     ids, recording = grpo.sample_shared_prefill(
         model,
-        prompts_for(kind),
+        inputs_for(kind, 1),
         group_size=G,
         max_new_tokens=6,
         temperature=1.0,
@@ -352,7 +351,7 @@ def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
     torch.manual_seed(0)
     ids, recording = grpo.sample_shared_prefill(
         model,
-        prompts_for("vlm"),
+        inputs_for("vlm", 1),
         group_size=G,
         max_new_tokens=6,
         temperature=1.0,
