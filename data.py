@@ -217,27 +217,20 @@ def prepare_prompts(
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
         tokens_per_image = (grid.prod(-1) // image_processor.merge_size**2).tolist()
         texts = _expand_image_pads(texts, images_per_row, tokens_per_image)
-        inputs["pixel_values"] = vision["pixel_values"].to(device)
-        inputs["image_grid_thw"] = grid.to(device)
-
+        inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     for sample, row in zip(samples, ids):
         _check_prompt_length(sample, len(row), max_prompt_length)
     P = max(len(row) for row in ids)
     # NOTE: left padding, so that generated tokens of every row start at column P.
-    input_ids = torch.full((len(ids), P), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(ids), P), dtype=torch.long)
-    for i, row in enumerate(ids):
-        input_ids[i, P - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, P - len(row) :] = 1
-    inputs["input_ids"] = input_ids.to(device)
-    inputs["attention_mask"] = attention_mask.to(device)
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (P - len(row)) + row for row in ids])  # (rows, P)
+    attention_mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids])  # (rows, P)
+    inputs.update(input_ids=input_ids, attention_mask=attention_mask)
     if images:
         # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens.
-        image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        inputs["mm_token_type_ids"] = (input_ids == image_pad_id).long().to(device) * attention_mask.to(
-            device
-        )
+        is_image = input_ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        inputs["mm_token_type_ids"] = is_image.long() * attention_mask
+    inputs = {key: value.to(device) for key, value in inputs.items()}
     return PromptBatch(inputs=inputs, images_per_row=images_per_row)
 
 
@@ -296,13 +289,29 @@ def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_i
     return out
 
 
+def suppressed_tokens(tokenizer) -> list[int]:
+    """Special tokens a completion must never contain: vision markers and chat control, except EOS."""
+    # NOTE: a tokenizer without these tokens maps them to its unk id (or None); those are not suppressed.
+    # (No `t in tokenizer.get_vocab()`: that builds a 151k-entry dict per call, and this runs every step.)
+    vision = {
+        tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VISION_START, VISION_END, "<|video_pad|>")
+    }
+    ids = set(tokenizer.all_special_ids) | (vision - {None, tokenizer.unk_token_id})
+    ids.discard(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """The text of each completion (N, T) up to its first EOS (mask (N, T)), special tokens dropped."""
+    return tokenizer.batch_decode(
+        completion_ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
+    )
+
+
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
     """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images.
-
-    `input_ids`-like tensors use `repeat_interleave`. The flat `pixel_values` (patches of all images, in row
-    order) and `image_grid_thw` (one line per image) are cut into per-row blocks first and each block is
-    repeated G times in place, so that row r's text is always followed by row r's pixels.
-    """
+    The flat `pixel_values` and `image_grid_thw` are cut into per-row blocks, each repeated G times in place,
+    so that row r's text is always followed by row r's pixels."""
     G = group_size
     out: dict[str, torch.Tensor] = {}
     for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
@@ -322,6 +331,12 @@ def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
 # --------------------------------------------------------------------------------------------------
 # Built-in synthetic tasks (drawn with PIL from a seed; the same seed always gives the same samples)
 
+# The rewards each built-in task trains with when --reward is not given.
+TASK_REWARDS = {
+    "shapes": ("answer_match",),
+    "inspection": ("label", "format"),
+    "summaries": ("label", "format"),
+}
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
 IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens

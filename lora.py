@@ -164,7 +164,7 @@ def inject_lora(
     dropout: float = 0.0,
     target_modules: tuple[str, ...] = DEFAULT_TARGETS,
 ) -> list[str]:
-    """Freeze all parameters, wrap the target linears of the last `last_k` decoder blocks; return their names."""
+    """Freeze all parameters, wrap the target linears of the last `last_k` decoder blocks; their names."""
     path, blocks = find_decoder_blocks(model)
     if not 1 <= last_k <= len(blocks):
         raise ValueError(

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -164,3 +165,11 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
     # weights_only=False: the state holds numpy RNG state and python tuples, written by this project.
     return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """One line per record, flushed and fsynced, so `tail -f` works and a crash loses at most one line."""
+    with Path(path).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,17 +1,18 @@
 """Benchmark one GRPO step phase by phase: ours (speed-ups on) against the plain path, and TRL if present.
 
-    python scripts/bench.py --config tiny                  # embedded tiny VLM
-    python scripts/bench.py --config small --steps 2       # random Qwen2.5-VL: 12 blocks, K = 2, 224-pixel photos
-    python scripts/bench.py --quick                        # 1 step of tiny (the smoke test in tests/test_speed.py)
-    python scripts/bench.py --memory                       # peak memory of completion log-probs, 151k vocabulary
+    python scripts/bench.py --config tiny             # embedded tiny VLM
+    python scripts/bench.py --config small --steps 2  # random Qwen2.5-VL: 12 blocks, K = 2, 224-pixel photos
+    python scripts/bench.py --quick                   # 1 step of tiny (the smoke test in tests/test_speed.py)
+    python scripts/bench.py --memory                  # peak memory of completion log-probs, 151k vocabulary
     python scripts/bench.py --trl-python /tmp/venv-trl/bin/python   # also TRL's GRPOTrainer + PEFT LoRA
 
 How it measures (CPU, fp32, one run, one machine):
 - Both paths live in this one process, each with its own copy of the model and optimizer from the same
   initialisation, and take turns step by step on the same prompts, seeds and rewards, so that a load spike
   from other processes hits both alike. Each path's first step is a warm-up and is not counted.
-- "ours" is train.py's default: sampling with each prompt's prefill run once (grpo.sample_shared_prefill), the
-  frozen trunk recorded on the way, and only the K adapted blocks run for reference, old policy and policy.
+- "ours" is train.py's default: sampling with each prompt's prefill run once
+  (speedups.sample_shared_prefill), the frozen trunk recorded on the way, and only the K adapted blocks run
+  for reference, old policy and policy.
 - "plain" is train.py with every speed-up off (--no-shared-prefill --no-trunk-reuse, no micro-batches, no
   checkpointing) and transformers' generate on the G-times repeated rows (as before `num_return_sequences`),
   which prefills every prompt and encodes every image G times. Both draw the same tokens (same seed).
@@ -49,6 +50,7 @@ import data
 import grpo
 import lora
 import model_io
+import speedups
 import train
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
@@ -56,7 +58,7 @@ PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
 
 @dataclass(frozen=True)
 class Config:
-    """A named setting. model: 'asset' (the embedded tiny VLM) or 'random' (a Qwen2.5-VL of the given size)."""
+    """A named setting. model: 'asset' (the embedded tiny VLM) or 'random' (a Qwen2.5-VL of given size)."""
 
     model: str
     B: int
@@ -159,7 +161,7 @@ def random_vlm(asset_config, hidden: int, layers: int) -> torch.nn.Module:
 
 
 def build_model(config: Config):
-    """(model, tokenizer, image_processor) for a config; the image processor lets image_size photos through."""
+    """(model, tokenizer, image_processor) for a config; the image processor lets image_size photos in."""
     model, tokenizer, image_processor = model_io.load_model(
         model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
     )
@@ -189,43 +191,109 @@ def add_lora(model, config: Config) -> None:
 # --- one step, timed ----------------------------------------------------------------------------------------
 
 
+def chunk_logprobs(
+    model, chunk: speedups.RowChunk, parts: dict | None, args: train.Args, *, return_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp (n, T) [and entropy] of one chunk, as train.py computes it: one full forward (the plain path), or
+    only the adapted blocks on the chunk's frozen trunk."""
+    options = dict(temperature=args.temperature, return_entropy=return_entropy)
+    if chunk.trunk is None:
+        return grpo.completion_logprobs(model, chunk.inputs, chunk.completion_ids, **options)
+    checkpointing = args.gradient_checkpointing
+    return speedups.trunk_logprobs(
+        chunk.trunk, chunk.completion_ids, gradient_checkpointing=checkpointing, **options, **parts
+    )
+
+
+def accumulate_policy_gradient(
+    model,
+    chunks: list[speedups.RowChunk],
+    parts: dict | None,
+    args: train.Args,
+    *,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+) -> tuple[float, dict[str, float], torch.Tensor]:
+    """train.py's policy gradient in one process: logp with grad and the GRPO loss's backward, chunk by
+    chunk, each normalised by the whole batch's rows and tokens; returns loss, stats and entropy (N, T)."""
+    num_rows, num_tokens = mask.shape[0], mask.sum().clamp(min=1)
+    loss_sum, stats_sum, entropies = 0.0, {}, []
+    for chunk in chunks:
+        rows = chunk.rows
+        logp, entropy = chunk_logprobs(model, chunk, parts, args, return_entropy=True)  # (n, T) with grad
+        loss, stats = grpo.grpo_loss(
+            logp,
+            old_logp[rows] if old_logp is not None else logp.detach(),
+            ref_logp[rows] if ref_logp is not None else None,
+            adv[rows],
+            mask[rows],
+            clip_eps_low=args.clip_eps_low,
+            clip_eps_high=args.clip_eps_high,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_new_tokens,
+            num_rows=num_rows,
+            num_tokens=num_tokens,
+        )
+        loss.backward()  # frees this chunk's activations before the next chunk's forward
+        loss_sum += loss.item()
+        share = mask[rows].sum().item() / num_tokens.item()
+        stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
+        entropies.append(entropy)
+    return loss_sum, stats_sum, torch.cat(entropies)
+
+
 def run_step(
     model, optimizer, batch, tokenizer, args: train.Args, seed: int, record: StepRecord, *, plain: bool
 ) -> int:
     """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
     inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
+    parts = speedups.decoder_parts(model, args.lora_last_k) if args.trunk_reuse else None
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
     with record("sampling"):
-        # train.py's sampling (ids, mask and texts); plain: generate on the G-times repeated rows, every prompt
+        # train.py's sampling (ids, mask, texts). plain: generate on the G-times repeated rows, every prompt
         # prefilled and every image encoded G times; ours: each prompt prefilled once, the trunk recorded.
-        sampled = train.generate_completions(
+        record_trunk = args.shared_prefill and parts is not None  # ours: the trunk recorded while sampling
+        ids, recording = speedups.sample(
             model,
-            tokenizer,
             inputs if plain else batch.inputs,
-            num_return_sequences=1 if plain else args.group_size,
+            group_size=1 if plain else args.group_size,
+            shared_prefill=args.shared_prefill,
+            record_block=speedups.record_block(model, parts) if record_trunk else None,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
-            shared_prefill=args.shared_prefill,
-            record_block=train.record_block(model, args),
+            top_p=args.top_p,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            suppress_token_ids=data.suppressed_tokens(tokenizer),
         )
-    ids, mask, truncated, recording = sampled.ids, sampled.mask, sampled.truncated, sampled.recording
+        mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (N, T)
+        data.decode_completions(tokenizer, ids, mask)  # the texts train.py scores; here rewards are random
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed))  # stands in for scoring
     adv = grpo.group_advantages(reward, args.group_size)
-    with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: only splits the rows
-        chunks = train.make_chunks(model, inputs, ids, args, recording)
-    with record("reference/old"):
-        old_logp = train.no_grad_logprobs(model, chunks, args) if args.num_iterations > 1 else None
+    with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
+        if args.trunk_reuse or args.micro_batch_size:
+            chunks = speedups.make_chunks(
+                model, inputs, ids, parts=parts, micro_batch_size=args.micro_batch_size, recording=recording
+            )
+        else:
+            chunks = [speedups.RowChunk(slice(0, ids.shape[0]), inputs, ids)]
+    old_logp = None
+    with record("reference/old"), torch.no_grad():
+        if args.num_iterations > 1:
+            old_logp = torch.cat([chunk_logprobs(model, c, parts, args)[0] for c in chunks])  # (N, T)
         with lora.adapters_disabled(model):
-            ref_logp = train.no_grad_logprobs(model, chunks, args)
-    ro = train.Rollout(
-        inputs, ids, mask, truncated, [], [], reward, {}, adv, old_logp, ref_logp, chunks=chunks
-    )
+            ref_logp = torch.cat([chunk_logprobs(model, c, parts, args)[0] for c in chunks])  # (N, T)
     model.train()
     for _ in range(args.num_iterations):
         with record("policy fwd+bwd"):
             optimizer.zero_grad(set_to_none=True)
-            train.accumulate_policy_gradient(model, ro, args, args.beta)
+            accumulate_policy_gradient(
+                model, chunks, parts, args, adv=adv, mask=mask, old_logp=old_logp, ref_logp=ref_logp
+            )
         with record("optimizer"):
             torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)
             optimizer.step()
@@ -333,7 +401,8 @@ def print_report(
     else:
         ratio = ours["ms"]["step"] / trl["step_ms"]
         print(
-            f"TRL GRPOTrainer + PEFT LoRA: step {trl['step_ms']:.1f} ms ({trl['steps']} timed steps); ours/TRL {ratio:.2f}"
+            f"TRL GRPOTrainer + PEFT LoRA: step {trl['step_ms']:.1f} ms ({trl['steps']} timed steps); "
+            f"ours/TRL {ratio:.2f}"
         )
 
 
@@ -372,15 +441,15 @@ def _logprobs_for_memory(model, inputs, ids, name: str) -> torch.Tensor:
         return torch.log_softmax(full.logits[:, :-1] / 0.7, dim=-1).gather(-1, ids[..., None]).squeeze(-1)
     if name == "ours":
         return grpo.completion_logprobs(model, inputs, ids, temperature=0.7)[0]
-    parts = train.decoder_parts(model, 1)
-    trunk = grpo.capture_trunk(
+    parts = speedups.decoder_parts(model, 1)
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
-    return grpo.trunk_logprobs(trunk, ids, temperature=0.7, **parts)[0]
+    return speedups.trunk_logprobs(trunk, ids, temperature=0.7, **parts)[0]
 
 
 def memory_variant(variant: str) -> dict:
-    """Peak RSS rise while computing completion log-probs ('grad': and their backward; 'micro4': in 4 chunks)."""
+    """Peak RSS rise while computing completion log-probs ('grad': and their backward; 'micro4': 4 chunks)."""
     N, P, T, V = MEMORY_SHAPE.values()
     model = _memory_model()
     inputs = {"input_ids": torch.randint(V, (N, P)), "attention_mask": torch.ones(N, P, dtype=torch.long)}
@@ -389,7 +458,7 @@ def memory_variant(variant: str) -> dict:
     chunk_size = N // 4 if "micro4" in options else N
     out = {}
     with torch.set_grad_enabled("grad" in options), peak_rss_mb(out, "peak_mb"):
-        for rows, chunk in grpo.split_rows(inputs, chunk_size):
+        for rows, chunk in speedups.split_rows(inputs, chunk_size):
             logp = _logprobs_for_memory(model, chunk, ids[rows], name)
             if "grad" in options:
                 logp.sum().backward()

@@ -52,10 +52,11 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data
+import grpo
 import lora
 import model_io
 import rewards
-import train
+import speedups
 
 
 @dataclass
@@ -209,18 +210,33 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
-    sampled = train.generate_completions(
+    ids, _ = speedups.sample(
         model,
-        tokenizer,
         batch.inputs,  # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
-        num_return_sequences=k,
+        group_size=k,
+        shared_prefill=True,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
         top_p=args.top_p if k > 1 else 1.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=data.suppressed_tokens(tokenizer),  # image tokens would have no pixels
     )  # (B*k, T)
-    texts, lengths, truncated = sampled.texts, sampled.mask.sum(1).tolist(), sampled.truncated.tolist()
+    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (B*k, T), (B*k,)
+    texts = data.decode_completions(tokenizer, ids, mask)
+    lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
     return [{"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r]} for r in rows]
+
+
+def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
+    """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
+    names = args.reward or data.TASK_REWARDS.get(task, ())
+    if not names:
+        raise ValueError("--reward is required with --data (e.g. --reward label format)")
+    if args.reward_weight and len(args.reward_weight) != len(names):
+        raise ValueError(f"--reward-weight has {len(args.reward_weight)} values for {len(names)} rewards")
+    return rewards.parse_reward_specs(list(names), list(args.reward_weight) or None, list(args.gate) or None)
 
 
 def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
@@ -349,7 +365,7 @@ def main(args: Args) -> dict[str, dict]:
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
     samples, task = load_eval_samples(args)
-    reward_fns = train.resolve_rewards(args, task)  # reads only .reward, .reward_weight, .gate
+    reward_fns = resolve_rewards(args, task)
     accuracy_name = args.accuracy_reward or reward_fns[0].name
     if accuracy_name not in [r.name for r in reward_fns]:
         raise SystemExit(f"--accuracy-reward {accuracy_name!r} is not among the rewards")

@@ -184,7 +184,7 @@ def sft_batch(samples, tokenizer, image_processor):
 
 @torch.no_grad()
 def held_out_metrics(model, tokenizer, image_processor, samples, *, batch_size: int = 50) -> dict[str, float]:
-    """Greedy decoding: exact-answer accuracy, and for verdict tasks verdict accuracy and format-valid rate."""
+    """Greedy decoding: exact-answer accuracy, and for verdict tasks verdict accuracy and format validity."""
     model.eval()
     exact, verdict, valid = [], [], []
     for i in range(0, len(samples), batch_size):

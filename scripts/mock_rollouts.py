@@ -1,8 +1,11 @@
 """Mock rollouts from a prompts file (seeded), so that scoring can be tried without a model.
 
-    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl --output runs/mock/rollouts.jsonl
-    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl --prompts runs/mock/prompts.jsonl
-    python scripts/mock_rollouts.py --prompts my_prompts.jsonl --group-size 8 --steps 3 --seed 1 --output r.jsonl
+    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl \\
+        --output runs/mock/rollouts.jsonl
+    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl \\
+        --prompts runs/mock/prompts.jsonl
+    python scripts/mock_rollouts.py --prompts my_prompts.jsonl --group-size 8 --steps 3 --seed 1 \\
+        --output r.jsonl
 
 For each step and each prompt (a JSONL line with `prompt_id` and its ground truth) it writes G candidate
 lines `{"step", "prompt_id", "group_id", "text", "meta": {"kind"}}`, each drawn correct, wrong or

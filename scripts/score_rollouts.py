@@ -1,9 +1,11 @@
 """Score rollouts produced elsewhere: rewards and group advantages exactly as training computes them.
 
-    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl --output runs/mock/rollouts.jsonl
-    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl --prompts runs/mock/prompts.jsonl
-    python scripts/score_rollouts.py --rollouts r.jsonl --prompts p.jsonl --reward label format my_rm.py:score \\
-        --gate format --group-size 8 --output scored.jsonl
+    python scripts/mock_rollouts.py --write-prompts 4 --prompts runs/mock/prompts.jsonl \\
+        --output runs/mock/rollouts.jsonl
+    python scripts/score_rollouts.py --rollouts runs/mock/rollouts.jsonl \\
+        --prompts runs/mock/prompts.jsonl
+    python scripts/score_rollouts.py --rollouts r.jsonl --prompts p.jsonl \\
+        --reward label format my_rm.py:score --gate format --group-size 8 --output scored.jsonl
 
 Input: one candidate per line, `{"step", "prompt_id", "group_id", "text", "meta"}` (only `prompt_id` and
 `text` are required), with G lines sharing a prompt_id; and a prompts JSONL holding each prompt's ground
@@ -104,7 +106,7 @@ def read_prompts(path: str) -> dict[str, dict]:
 
 
 def parse_rollouts(path: str, prompts: dict[str, dict]) -> tuple[list[tuple[int, dict]], list[dict], int]:
-    """(line number, record) of the usable lines, the bad lines {line, reason}, and the non-blank line count."""
+    """(line number, record) of the usable lines, the bad lines {line, reason}, the non-blank line count."""
     good, bad, n_lines = [], [], 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):

@@ -76,7 +76,6 @@ import data
 import grpo
 import lora
 import model_io
-import train
 
 
 @dataclass
@@ -504,7 +503,7 @@ def end_epoch(
     if record["best"]:  # save_checkpoint writes best.tmp and swaps it in: best/ is never half-written
         save(out / "best", model, optimizer, record, args, None)
         best = value
-    train.append_jsonl(out / "metrics.jsonl", record)
+    model_io.append_jsonl(out / "metrics.jsonl", record)
     print(describe(record))
     return best
 
@@ -578,7 +577,7 @@ def run_grpo(model, batches, inputs_of, finish, args: Args) -> None:
     """GRPO epochs E+1..E+M against the frozen old_logp; a fresh AdamW (the RCE moments fit another loss)."""
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     total = args.grpo_epochs * len(batches)
-    scheduler = train.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=total)
+    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=total)
     max_len = max(b.completion_ids.shape[1] for b in batches)  # dr_grpo's constant normaliser
     for g in range(args.grpo_epochs):
         t0, epoch, lr = time.time(), args.rce_epochs + g + 1, scheduler.get_last_lr()[0]
@@ -623,7 +622,7 @@ def main(args: Args) -> dict:
         batches = with_logprobs(model, batches, inputs_of, "ref_logp", adapters=False)
     if args.old_logp_from == "init":
         batches = with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
-    train.append_jsonl(out / "metrics.jsonl", {"epoch": 0, **validate(model, val_batches, inputs_of)})
+    model_io.append_jsonl(out / "metrics.jsonl", {"epoch": 0, **validate(model, val_batches, inputs_of)})
     best: list[float | None] = [None]  # the running best --best-by value, shared by both phases
 
     def finish(optimizer, record: dict) -> None:  # validate, checkpoint, best/, log

@@ -92,3 +92,11 @@ def random_vlm() -> Qwen2_5_VLForConditionalGeneration:
 @pytest.fixture
 def random_causal_lm() -> Qwen2ForCausalLM:
     return make_random_causal_lm()
+
+
+def make_run(model, args, **fields):
+    """A train.Run around `model` with the speed-up parts `args` asks for, as train.build_run makes it."""
+    import train
+
+    parts, record_block = train.speedup_parts(model, args)
+    return train.Run(model=model, parts=parts, record_block=record_block, **fields)

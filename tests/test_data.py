@@ -1,4 +1,5 @@
-"""data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation, built-in tasks.
+"""data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation,
+built-in tasks.
 
 The tensors are checked against independent references: `repeat_rows` against preparing the repeated list of
 samples, placeholder runs against the grid arithmetic written out by hand, and the images' effect on the model
@@ -64,7 +65,7 @@ def assert_same_inputs(a: data.PromptBatch, b: data.PromptBatch) -> None:
     assert a.images_per_row == b.images_per_row
 
 
-# --- row expansion ---------------------------------------------------------------------------------------------
+# --- row expansion ------------------------------------------------------------------------------------------
 
 
 def test_swapping_images_of_one_sample_changes_exactly_its_group_rows(tiny):
@@ -119,7 +120,7 @@ def test_repeat_rows_of_a_mixed_text_and_image_batch_equals_the_repeated_list(ti
     assert expanded.images_per_row == [0] * G + [2] * G + [1] * G
 
 
-# --- placeholders, padding, text-only ---------------------------------------------------------------------------
+# --- placeholders, padding, text-only -----------------------------------------------------------------------
 
 
 def test_image_pad_runs_match_each_images_grid_and_padding_is_on_the_left(tiny):
@@ -260,7 +261,7 @@ def test_prompt_longer_than_max_prompt_length_raises_naming_the_sample(tiny):
         data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P - 1)
 
 
-# --- JSONL ---------------------------------------------------------------------------------------------------
+# --- JSONL --------------------------------------------------------------------------------------------------
 
 
 def write_png(path: Path, colour=(10, 20, 30)) -> Path:
@@ -356,7 +357,7 @@ def test_relative_image_paths_resolve_against_the_jsonl_folder(tiny, tmp_path, m
     assert_same_inputs(from_file, data.prepare_prompts([in_memory], tok, ip, device="cpu"))
 
 
-# --- built-in tasks ------------------------------------------------------------------------------------------
+# --- built-in tasks -----------------------------------------------------------------------------------------
 
 
 def fingerprint(samples: list[dict]) -> list[tuple]:

@@ -1,8 +1,9 @@
 """Several ranks (torchrun, gloo, CPU) equal one process: the same LoRA update and one writer of every file.
 
 The equivalence test fixes one rollout of 2B prompts x G completions on the shipped tiny VLM (LoRA B made
-non-zero so that every A and B gets a gradient), then takes one `train.policy_update` (mu = 2 AdamW steps, micro-batches
-of 4 rows) (a) in this process on all 2B*G rows and (b) on 2 gloo ranks, rank r on its B whole groups, rows
+non-zero so that every A and B gets a gradient), then takes one `train.policy_update` (mu = 2 AdamW steps,
+micro-batches of 4 rows) (a) in this process on all 2B*G rows and (b) on 2 gloo ranks, rank r on its B whole
+groups, rows
 [r*B*G, (r+1)*B*G). Each rank normalises its loss by the global counts and the LoRA gradients are summed, so
 gradients, loss, stats and the LoRA weights after the update must match (a) to float tolerance, on both
 ranks and for every loss_type. Gradients are compared too: AdamW's first steps are nearly invariant to the
@@ -22,12 +23,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_run
 from safetensors.torch import load_file
 
 import data
+import distributed
 import grpo
 import lora
 import model_io
+import speedups
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,29 +68,31 @@ def tiny_model_with_lora():
     return model, tokenizer, image_processor
 
 
-def rank_rollout(model, fixed: dict, args: train.Args, rank: int, world_size: int) -> train.Rollout:
-    """Rank `rank`'s share of the fixed rollout: whole groups, rows [rank*n, (rank+1)*n), with their images."""
+def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world_size: int) -> train.Rollout:
+    """Rank `rank`'s share of the fixed rollout: whole groups, rows [rank*n, (rank+1)*n), with their
+    images."""
     n = fixed["completion_ids"].shape[0] // world_size
-    rows, inputs = grpo.split_rows(fixed["inputs"], n)[rank]
+    rows, inputs = speedups.split_rows(fixed["inputs"], n)[rank]
     ids = fixed["completion_ids"][rows]
     return train.Rollout(
-        inputs,
-        ids,
-        fixed["mask"][rows],
-        fixed["truncated"][rows],
-        [],
-        [],
-        fixed["reward"][rows],
-        {},
-        fixed["adv"][rows],
-        fixed["old_logp"][rows],
-        fixed["ref_logp"][rows],
-        chunks=train.make_chunks(model, inputs, ids, args),
+        inputs=inputs,
+        completion_ids=ids,
+        mask=fixed["mask"][rows],
+        truncated=fixed["truncated"][rows],
+        texts=[],
+        samples=[],
+        reward=fixed["reward"][rows],
+        components={},
+        adv=fixed["adv"][rows],
+        chunks=train.row_chunks(run, inputs, ids, None, args),
+        old_logp=fixed["old_logp"][rows],
+        ref_logp=fixed["ref_logp"][rows],
     )
 
 
 def one_update(fixed: dict, rank: int, world_size: int) -> dict:
-    """For each loss_type: one policy_update from the fixed LoRA weights; the gradients, weights and stats after."""
+    """For each loss_type: one policy_update from the fixed LoRA weights; the gradients, weights and stats
+    after."""
     model, _, _ = tiny_model_with_lora()
     results = {}
     for loss_type in grpo.LOSS_TYPES:
@@ -96,9 +102,10 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
                 p.copy_(saved)
         params = lora.lora_parameters(model)
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-        scheduler = train.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
-        ro = rank_rollout(model, fixed, args, rank, world_size)
-        stats = train.policy_update(model, ro, optimizer, scheduler, args, args.beta)
+        scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
+        run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world_size)
+        ro = rank_rollout(run, fixed, args, rank, world_size)
+        stats = train.policy_update(run, ro, args, args.beta)
         results[loss_type] = {
             "grads": [p.grad.clone() for p in params],
             "params": [p.detach().clone() for p in params],
@@ -109,14 +116,16 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def fixed_rollout(tmp_path_factory) -> Path:
-    """One rollout of WORLD*B prompts, saved for the ranks: inputs, completions, advantages, old/ref log-probs."""
+    """One rollout of WORLD*B prompts, saved for the ranks: inputs, completions, advantages, old/ref
+    log-probs."""
     model, tokenizer, image_processor = tiny_model_with_lora()
     args = update_args("dapo")
     prompts = train.batch_for_step(data.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
-    ro = train.rollout(
-        model, tokenizer, image_processor, prompts, train.resolve_rewards(args, "inspection"), args, "cpu"
-    )
+    reward_fns = train.resolve_rewards(args, "inspection")
+    run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
+    ro = train.rollout(run, prompts, args)
+    train.frozen_logprobs(run, ro, args)
     for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
         assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"
     path = tmp_path_factory.mktemp("distributed") / "rollout.pt"
@@ -166,7 +175,8 @@ def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_pr
     largest_grad = max(g.abs().max().item() for g in one["grads"])
     assert moved > 1e-4 and largest_grad > 1e-4
     print(
-        f"{loss_type}: 2 ranks vs 1 process, max |delta| grads {delta['grads']:.1e} (largest {largest_grad:.1e})"
+        f"{loss_type}: 2 ranks vs 1 process, max |delta| grads {delta['grads']:.1e} "
+        f"(largest {largest_grad:.1e})"
     )
     print(f"{loss_type}: 2 ranks vs 1 process, max |delta| weights {delta['params']:.1e} (step {moved:.1e})")
 
@@ -174,9 +184,9 @@ def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_pr
 def test_ranks_take_consecutive_slices_of_one_global_batch_and_one_rank_is_the_plain_batch():
     samples = [{"id": i} for i in range(10)]
     for step in range(4):  # crosses an epoch boundary (10 // 4 = 2 global batches per epoch)
-        slices = [train.rank_batch(samples, step, 2, 0, r, 2) for r in range(2)]
+        slices = [train.batch_for_step(samples, step, 2, 0, r, 2) for r in range(2)]
         assert slices[0] + slices[1] == train.batch_for_step(samples, step, 4, 0)
-        assert train.rank_batch(samples, step, 2, 0, 0, 1) == train.batch_for_step(samples, step, 2, 0)
+        assert train.batch_for_step(samples, step, 2, 0, 0, 1) == train.batch_for_step(samples, step, 2, 0)
 
 
 FLAGS = (
@@ -210,7 +220,8 @@ def test_main_on_two_ranks_writes_metrics_checkpoints_and_adapter_once(two_rank_
 
 
 def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_run, tmp_path):
-    # Each rank reseeds its sampling from (seed, step, rank), so rank 0's RNG state in the checkpoint suffices.
+    # Each rank reseeds its sampling from (seed, step, rank), so rank 0's RNG state in the checkpoint
+    # suffices.
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
     shutil.copytree(two_rank_run[0], resumed)
     train_on_two_ranks(resumed, "--steps", "3", "--resume", str(resumed))
@@ -223,7 +234,7 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
 
 if __name__ == "__main__":  # one rank, launched by the tests above through torchrun
     torch.set_num_threads(1)
-    rank, world_size = train.init_distributed(torch.device("cpu"))
+    rank, world_size = distributed.init_distributed(torch.device("cpu"))
     rollout_path = Path(sys.argv[1])
     torch.save(one_update(torch.load(rollout_path), rank, world_size), rollout_path.parent / f"rank{rank}.pt")
-    train.finish_distributed()
+    distributed.finish_distributed()

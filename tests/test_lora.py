@@ -1,4 +1,5 @@
-"""lora.py: equivalence with the unadapted model, merge/unmerge, the disable switch, PEFT-format adapter I/O."""
+"""lora.py: equivalence with the unadapted model, merge/unmerge, the disable switch,
+PEFT-format adapter I/O."""
 
 import json
 

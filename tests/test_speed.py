@@ -1,9 +1,11 @@
-"""The speed-ups change nothing: each is checked against the plain path it replaces (fp32, CPU, tight tolerance).
+"""The speed-ups change nothing: each is checked against the plain path it replaces (fp32, CPU, tight
+tolerance).
 
-Frozen-trunk reuse (grpo.capture_trunk + grpo.trunk_logprobs) against the full forward of
-grpo.completion_logprobs, micro-batching (train.accumulate_policy_gradient) against one unchunked backward, and
-gradient checkpointing against no checkpointing. Models: the random Qwen2.5-VL (6 blocks, with images) and the
-random Qwen2 causal LM (4 blocks, left padding) from conftest.py, LoRA in the last K = 2 blocks with B != 0.
+Frozen-trunk reuse (speedups.capture_trunk + speedups.trunk_logprobs) against the full forward of
+grpo.completion_logprobs, micro-batching (train.accumulate_policy_gradient) against one unchunked backward,
+and gradient checkpointing against no checkpointing. Models: the random Qwen2.5-VL (6 blocks, with images) and
+the random Qwen2 causal LM (4 blocks, left padding) from conftest.py, LoRA in the last K = 2 blocks with
+B != 0.
 """
 
 import subprocess
@@ -12,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm
+from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm, make_run
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
 
 import grpo
 import lora
+import speedups
 import train
 
 K = 2  # adapted blocks
@@ -35,7 +38,8 @@ def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:
 
 
 def inputs_for(kind: str, group_size: int = 3) -> dict[str, torch.Tensor]:
-    """The B = 2 prompts (for the VLM: 2 + 1 images), each repeated group_size times (N = 6 rows by default)."""
+    """The B = 2 prompts (for the VLM: 2 + 1 images), each repeated group_size times (N = 6 rows by
+    default)."""
     return vlm_inputs(group_size) if kind == "vlm" else text_inputs(group_size)
 
 
@@ -65,16 +69,16 @@ def assert_same(a, b, atol=1e-5):
 @pytest.mark.parametrize("kind", ["vlm", "text"])
 def test_trunk_logprobs_and_lora_gradients_equal_the_full_forward(kind):
     model, inputs, ids = lora_model(kind), inputs_for(kind), hand_completions()
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     plain = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=0.7, return_entropy=True)
     )
-    trunk = grpo.capture_trunk(
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     assert not trunk.hidden_states.requires_grad  # nothing flows back into the trunk
     ours = logprobs_and_grads(
-        model, lambda: grpo.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
+        model, lambda: speedups.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
     )
     assert_same(ours, plain)
     assert all(grad.abs().sum() > 0 for grad in plain[2].values())  # every LoRA weight is exercised
@@ -83,35 +87,35 @@ def test_trunk_logprobs_and_lora_gradients_equal_the_full_forward(kind):
 @pytest.mark.parametrize("kind", ["vlm", "text"])
 def test_reference_through_the_trunk_with_adapters_disabled_equals_the_plain_reference(kind):
     model, inputs, ids = lora_model(kind), inputs_for(kind), hand_completions()
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     # Captured with the adapters ON: none sits in the trunk, so the reference can share it.
-    trunk = grpo.capture_trunk(
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     with torch.no_grad(), lora.adapters_disabled(model):
         ref_plain, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
-        ref_trunk, _ = grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
+        ref_trunk, _ = speedups.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
     with torch.no_grad():
-        policy, _ = grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
+        policy, _ = speedups.trunk_logprobs(trunk, ids, temperature=1.0, **parts)
     torch.testing.assert_close(ref_trunk, ref_plain, atol=1e-5, rtol=0)
     assert not torch.allclose(policy, ref_plain, atol=1e-3)  # the adapters were really off
 
 
 def test_trunk_capture_stops_before_the_adapted_blocks_and_encodes_images_once():
     model, inputs, ids = lora_model("vlm"), inputs_for("vlm"), hand_completions()
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     calls = {"visual": 0, "last_block": 0}
     model.model.visual.register_forward_hook(lambda *_: calls.__setitem__("visual", calls["visual"] + 1))
     parts["blocks"][-1].register_forward_hook(
         lambda *_: calls.__setitem__("last_block", calls["last_block"] + 1)
     )
-    trunk = grpo.capture_trunk(
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     assert calls == {"visual": 1, "last_block": 0}
-    grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # policy
+    speedups.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # policy
     with torch.no_grad(), lora.adapters_disabled(model):
-        grpo.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # reference
+        speedups.trunk_logprobs(trunk, ids, temperature=1.0, **parts)  # reference
     assert calls == {"visual": 1, "last_block": 2}
 
 
@@ -130,11 +134,10 @@ def test_a_trunk_step_encodes_each_prompts_images_once_not_once_per_row(micro_ba
     args = train.Args(lora_last_k=K, beta=0.1, num_iterations=2, micro_batch_size=micro_batch_size)
     ro = hand_rollout(model, args)  # captures the trunk (its own plain log-probs run before the hook)
     encoded = count_encoded_images(model)
-    ro.chunks = train.make_chunks(model, ro.inputs, ro.completion_ids, args)
-    train.no_grad_logprobs(model, ro.chunks, args)  # old policy
-    with lora.adapters_disabled(model):
-        train.no_grad_logprobs(model, ro.chunks, args)  # reference
-    train.accumulate_policy_gradient(model, ro, args, 0.1)
+    run = make_run(model, args)
+    ro.chunks = train.row_chunks(run, ro.inputs, ro.completion_ids, None, args)
+    train.frozen_logprobs(run, ro, args)  # old policy (mu = 2) and reference (beta > 0)
+    train.accumulate_policy_gradient(run, ro, args, 0.1)
     # B * images once per step; micro-batches of 4 + 2 rows encode prompt 1 (1 image) in both chunks.
     assert encoded == expected
 
@@ -144,14 +147,14 @@ def test_rows_with_different_images_are_each_encoded_and_match_the_full_forward(
     inputs["pixel_values"] = torch.randn(
         inputs["pixel_values"].shape, generator=torch.Generator().manual_seed(4)
     )
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     encoded = count_encoded_images(model)
-    trunk = grpo.capture_trunk(
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     assert encoded == [9]  # no two rows share pixels, so nothing is reused
     with torch.no_grad():
-        ours, _ = grpo.trunk_logprobs(trunk, ids, temperature=0.7, **parts)
+        ours, _ = speedups.trunk_logprobs(trunk, ids, temperature=0.7, **parts)
         plain, _ = grpo.completion_logprobs(model, inputs, ids, temperature=0.7)
     torch.testing.assert_close(ours, plain, atol=1e-5, rtol=0)
 
@@ -162,9 +165,9 @@ def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
     inputs, ids = text_inputs(group_size=3), hand_completions()
     _, blocks = lora.find_decoder_blocks(model)
     with pytest.raises(ValueError, match="trainable"):
-        grpo.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=2)
+        speedups.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=2)
     with pytest.raises(ValueError, match="first_adapted"):
-        grpo.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=len(blocks))
+        speedups.capture_trunk(model, inputs, ids, blocks=blocks, first_adapted=len(blocks))
 
 
 def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_image_encoded_once():
@@ -207,10 +210,10 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
     model, G = (make_random_vlm() if kind == "vlm" else make_random_causal_lm()), 4
     options = dict(max_new_tokens=10, temperature=temperature, top_p=top_p, **SAMPLING)
     if kind == "vlm":  # a text-only batch first: its positions must not leak into the image batch
-        grpo.sample_shared_prefill(model, text_inputs(group_size=1), group_size=G, **options)
+        speedups.sample_shared_prefill(model, text_inputs(group_size=1), group_size=G, **options)
     for seed in range(3):
         torch.manual_seed(seed)
-        ours, _ = grpo.sample_shared_prefill(model, inputs_for(kind, 1), group_size=G, **options)
+        ours, _ = speedups.sample_shared_prefill(model, inputs_for(kind, 1), group_size=G, **options)
         torch.manual_seed(seed)  # generate on the G-fold repeated rows (greedy refuses num_return_sequences)
         expanded = inputs_for(kind, G)
         reference, _ = grpo.sample_completions(model, expanded, **options)
@@ -238,11 +241,12 @@ def test_shared_prefill_matches_generate_at_the_edges(case, overrides):
     model = make_random_vlm()
     options = dict(max_new_tokens=8, temperature=1.0, **SAMPLING) | overrides
     G = options.pop("group_size", 3)
-    grpo.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)  # an image batch first
+    # an image batch first
+    speedups.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)
     for kind in ("text", "vlm"):  # then a text batch: the image batch's positions must not leak into it
         inputs = inputs_for(kind, 1)
         torch.manual_seed(0)
-        ours, _ = grpo.sample_shared_prefill(model, inputs, group_size=G, **options)
+        ours, _ = speedups.sample_shared_prefill(model, inputs, group_size=G, **options)
         torch.manual_seed(0)
         expanded = inputs_for(kind, G)
         reference, _ = grpo.sample_completions(model, expanded, **options)
@@ -253,16 +257,16 @@ def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_
     model = make_random_vlm()
     options = dict(max_new_tokens=4, temperature=1.0, **SAMPLING)
     with pytest.raises(ValueError, match="max_new_tokens >= 1"):
-        grpo.sample_shared_prefill(
+        speedups.sample_shared_prefill(
             model, inputs_for("vlm", 1), group_size=2, **(options | {"max_new_tokens": 0})
         )
     with pytest.raises(ValueError, match="eos_token_id"):
-        grpo.sample_shared_prefill(
+        speedups.sample_shared_prefill(
             model, inputs_for("vlm", 1), group_size=2, **(options | {"suppress_token_ids": [1]})
         )
     for out_of_range in (VOCAB, -3):  # generate would ignore them; a negative id would hit token V - 3
         with pytest.raises(ValueError, match="must lie in"):
-            grpo.sample_shared_prefill(
+            speedups.sample_shared_prefill(
                 model,
                 inputs_for("vlm", 1),
                 group_size=2,
@@ -278,7 +282,7 @@ def test_shared_prefill_refuses_bad_options_and_an_image_model_it_cannot_number_
 
     model.model.compute_3d_position_ids = positions_without_deltas
     with pytest.raises(ValueError, match="rope_deltas"):
-        grpo.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)
+        speedups.sample_shared_prefill(model, inputs_for("vlm", 1), group_size=2, **options)
 
 
 def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
@@ -287,7 +291,7 @@ def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
     fed, encoded = [], count_encoded_images(model)
     blocks[0].register_forward_pre_hook(lambda _m, args: fed.append(tuple(args[0].shape[:2])))
     torch.manual_seed(0)
-    ids, _ = grpo.sample_shared_prefill(
+    ids, _ = speedups.sample_shared_prefill(
         model, inputs_for("vlm", 1), group_size=G, max_new_tokens=6, temperature=1.0, **SAMPLING
     )
     B, P = inputs_for("vlm", 1)["input_ids"].shape
@@ -300,9 +304,9 @@ def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
 @pytest.mark.parametrize("kind", ["vlm", "text"])
 def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradients(kind):
     model, G = lora_model(kind), 3
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     torch.manual_seed(0)
-    ids, recording = grpo.sample_shared_prefill(
+    ids, recording = speedups.sample_shared_prefill(
         model,
         inputs_for(kind, 1),
         group_size=G,
@@ -312,19 +316,19 @@ def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradi
         **SAMPLING,
     )
     inputs = inputs_for(kind)  # the same prompts, expanded to the N = 2 * G rows
-    captured = grpo.capture_trunk(
+    captured = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     # A KV-cache step adds up attention in another order than a full forward: equal to rounding.
     torch.testing.assert_close(recording, captured.hidden_states, atol=1e-5, rtol=0)
-    trunk = grpo.trunk_from_recording(
+    trunk = speedups.trunk_from_recording(
         model, inputs, ids, recording, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
     full = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=0.7, return_entropy=True)
     )
     recorded = logprobs_and_grads(
-        model, lambda: grpo.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
+        model, lambda: speedups.trunk_logprobs(trunk, ids, temperature=0.7, return_entropy=True, **parts)
     )
     assert_same(recorded, full)
 
@@ -332,13 +336,13 @@ def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradi
 def test_a_recorded_trunk_refuses_completions_with_image_placeholders():
     # A full forward would fail on them (no pixels for those tokens); the recorded trunk has no pixels at all.
     model = lora_model("vlm")
-    parts = train.decoder_parts(model, K)
+    parts = speedups.decoder_parts(model, K)
     inputs, ids = inputs_for("vlm"), hand_completions()
     S = inputs["input_ids"].shape[1] + ids.shape[1] - 1
     recording = torch.zeros(ids.shape[0], S, model.config.get_text_config().hidden_size)
     ids[2, 1] = IMAGE_PAD_ID
     with pytest.raises(ValueError, match="placeholder"):
-        grpo.trunk_from_recording(
+        speedups.trunk_from_recording(
             model, inputs, ids, recording, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
         )
 
@@ -349,20 +353,21 @@ def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
         lora_last_k=K, group_size=G, temperature=1.0, micro_batch_size=4
     )  # chunks of 4 + 2 rows
     torch.manual_seed(0)
-    ids, recording = grpo.sample_shared_prefill(
+    ids, recording = speedups.sample_shared_prefill(
         model,
         inputs_for("vlm", 1),
         group_size=G,
         max_new_tokens=6,
         temperature=1.0,
-        record_block=train.record_block(model, args),
+        record_block=speedups.record_block(model, speedups.decoder_parts(model, K)),
         **SAMPLING,
     )
     inputs = inputs_for("vlm")
-    chunks = train.make_chunks(model, inputs, ids, args, recording)
+    run = make_run(model, args)
+    chunks = train.row_chunks(run, inputs, ids, recording, args)
     assert [c.rows for c in chunks] == [slice(0, 4), slice(4, 6)]
     with torch.no_grad():
-        ours = train.no_grad_logprobs(model, chunks, args)
+        ours = torch.cat([train.chunk_logprobs(run, chunk, args)[0] for chunk in chunks])
         full, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
     torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
 
@@ -373,7 +378,7 @@ def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
 @pytest.mark.parametrize("chunk_size", [1, 2, 4])
 def test_split_rows_gives_each_chunk_exactly_its_own_images(chunk_size):
     model, inputs, ids = make_random_vlm(), inputs_for("vlm"), hand_completions()
-    chunks = grpo.split_rows(inputs, chunk_size)
+    chunks = speedups.split_rows(inputs, chunk_size)
     assert [c[0] for c in chunks] == [slice(a, min(a + chunk_size, 6)) for a in range(0, 6, chunk_size)]
     with torch.no_grad():
         whole, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
@@ -391,9 +396,21 @@ def hand_rollout(model, args: train.Args) -> train.Rollout:
     old_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)  # ratios far enough from 1 to clip
     ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
-    chunks = train.make_chunks(model, inputs, ids, args)
-    reward = torch.zeros(6)
-    return train.Rollout(inputs, ids, mask, truncated, [], [], reward, {}, adv, old_logp, ref_logp, chunks)
+    chunks = train.row_chunks(make_run(model, args), inputs, ids, None, args)
+    return train.Rollout(
+        inputs=inputs,
+        completion_ids=ids,
+        mask=mask,
+        truncated=truncated,
+        texts=[],
+        samples=[],
+        reward=torch.zeros(6),
+        components={},
+        adv=adv,
+        chunks=chunks,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+    )
 
 
 @pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
@@ -413,7 +430,9 @@ def test_micro_batched_gradients_equal_unchunked_for_every_loss_type(loss_type):
             micro_batch_size=micro_batch_size,
         )
         model.zero_grad(set_to_none=True)
-        loss, stats, entropy = train.accumulate_policy_gradient(model, hand_rollout(model, args), args, 0.1)
+        loss, stats, entropy = train.accumulate_policy_gradient(
+            make_run(model, args), hand_rollout(model, args), args, 0.1
+        )
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[trunk_reuse, micro_batch_size] = (loss, stats, entropy, grads)
     loss, stats, entropy, grads = results[False, None]  # the plain path: one full forward, no chunks
@@ -432,8 +451,8 @@ def test_micro_batched_gradients_equal_unchunked_for_every_loss_type(loss_type):
 def test_gradient_checkpointing_gives_identical_gradients_with_lora_dropout():
     model, inputs, ids = lora_model("vlm", dropout=0.1), inputs_for("vlm"), hand_completions()
     model.train()  # dropout on: the checkpoint must replay the same dropout masks
-    parts = train.decoder_parts(model, K)
-    trunk = grpo.capture_trunk(
+    parts = speedups.decoder_parts(model, K)
+    trunk = speedups.capture_trunk(
         model, inputs, ids, blocks=parts["blocks"], first_adapted=parts["first_adapted"]
     )
 
@@ -441,7 +460,7 @@ def test_gradient_checkpointing_gives_identical_gradients_with_lora_dropout():
         torch.manual_seed(0)
         return logprobs_and_grads(
             model,
-            lambda: grpo.trunk_logprobs(
+            lambda: speedups.trunk_logprobs(
                 trunk, ids, temperature=1.0, return_entropy=True, gradient_checkpointing=checkpointed, **parts
             ),
         )
@@ -452,7 +471,7 @@ def test_gradient_checkpointing_gives_identical_gradients_with_lora_dropout():
     plain = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=True)
     )
-    train.enable_plain_checkpointing(model)
+    speedups.enable_plain_checkpointing(model)
     torch.manual_seed(0)
     checkpointed = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=True)

@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_run
 from PIL import Image
 
 import data
 import grpo
 import lora
 import model_io
+import speedups
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,15 +62,20 @@ def lora_modules(model) -> dict[str, lora.LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
 
 
-def make_rollout(model, tokenizer, image_processor, args: train.Args, *, step: int = 0) -> train.Rollout:
+def make_rollout(
+    model, tokenizer, image_processor, args: train.Args, *, step: int = 0
+) -> tuple[train.Run, train.Rollout]:
+    """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
     samples = data.make_task(args.task, args.train_size, seed=args.seed)
     prompts = train.batch_for_step(samples, step, args.batch_size, args.seed)
     reward_fns = train.resolve_rewards(args, args.task)
+    run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
     torch.manual_seed(1000 + step)  # the sampling draws
-    ro = train.rollout(model, tokenizer, image_processor, prompts, reward_fns, args, CPU)
+    ro = train.rollout(run, prompts, args)
+    train.frozen_logprobs(run, ro, args)
     # Otherwise the policy-gradient term is zero and nothing below would be tested.
     assert ro.adv.abs().sum() > 0, "pick another seed: every group of this rollout has zero reward variance"
-    return ro
+    return run, ro
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -102,9 +109,9 @@ def test_every_sampling_and_recompute_path_gives_the_same_rollout_and_gradient(t
             with torch.no_grad():  # non-zero adapters, so that the A's get gradient too
                 for m in lora_modules(model).values():
                     m.lora_B.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(5))
-            ro = make_rollout(model, tokenizer, image_processor, args)
+            run, ro = make_rollout(model, tokenizer, image_processor, args)
             model.zero_grad(set_to_none=True)
-            loss, _, _ = train.accumulate_policy_gradient(model, ro, args, args.beta)
+            loss, _, _ = train.accumulate_policy_gradient(run, ro, args, args.beta)
             grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
             results[shared_prefill, trunk_reuse] = (ro, loss, grads)
     ro, loss, grads = results[False, False]  # generate + full forwards: the plain path
@@ -122,20 +129,15 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
     model, tokenizer, image_processor = load_tiny_with_lora()
     params = lora.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = train.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     before = snapshot(model)
     frozen_keys = [k for k in before if "lora_" not in k]
     assert any(".visual." in k or k.startswith("model.visual") for k in frozen_keys)  # the tower is compared
     assert any("base_layer" in k for k in frozen_keys)  # so are the wrapped linears' own weights
 
-    train.policy_update(
-        model,
-        make_rollout(model, tokenizer, image_processor, args, step=0),
-        optimizer,
-        scheduler,
-        args,
-        args.beta,
-    )
+    run, ro = make_rollout(model, tokenizer, image_processor, args, step=0)
+    run.optimizer, run.scheduler = optimizer, scheduler
+    train.policy_update(run, ro, args, args.beta)
     after_one = snapshot(model)
     # Step 1: B = 0, so dL/dA = B^T (dL/dy) x^T is exactly 0. AdamW with a zero gradient and weight_decay 0
     # leaves a parameter bit-for-bit unchanged (exp_avg = 0, the update is 0 / (0 + eps)), so every A is
@@ -144,14 +146,9 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
         assert torch.equal(after_one[f"{name}.lora_A.weight"], before[f"{name}.lora_A.weight"]), name
         assert not torch.equal(after_one[f"{name}.lora_B.weight"], before[f"{name}.lora_B.weight"]), name
 
-    train.policy_update(
-        model,
-        make_rollout(model, tokenizer, image_processor, args, step=1),
-        optimizer,
-        scheduler,
-        args,
-        args.beta,
-    )
+    run, ro = make_rollout(model, tokenizer, image_processor, args, step=1)
+    run.optimizer, run.scheduler = optimizer, scheduler
+    train.policy_update(run, ro, args, args.beta)
     after_two = snapshot(model)
     # Step 2: B != 0 now, so A gets a gradient too: every LoRA tensor has changed.
     for name in lora_modules(model):
@@ -165,7 +162,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
 def test_at_step_zero_every_A_gets_exactly_zero_gradient_and_every_B_a_nonzero_one(tmp_path):
     args = small_args(tmp_path, batch_size=4)
     model, tokenizer, image_processor = load_tiny_with_lora()
-    ro = make_rollout(model, tokenizer, image_processor, args)
+    _, ro = make_rollout(model, tokenizer, image_processor, args)
     logp, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
     loss, _ = grpo.grpo_loss(
         logp,
@@ -195,7 +192,7 @@ def test_at_step_zero_every_A_gets_exactly_zero_gradient_and_every_B_a_nonzero_o
 def test_loss_reaches_lora_parameters_only_through_the_recompute(tmp_path):
     args = small_args(tmp_path, batch_size=4, num_iterations=2)  # mu = 2: old_logp is stored too
     model, tokenizer, image_processor = load_tiny_with_lora()
-    ro = make_rollout(model, tokenizer, image_processor, args)
+    _, ro = make_rollout(model, tokenizer, image_processor, args)
     _, gen_logp = grpo.sample_completions(
         model,
         ro.inputs,
@@ -250,7 +247,8 @@ def assert_vision_inputs_reached_the_model(forward_kwargs: dict, inputs: dict, c
         assert key in forward_kwargs, key
     assert torch.equal(forward_kwargs["pixel_values"], inputs["pixel_values"])
     assert torch.equal(forward_kwargs["image_grid_thw"], inputs["image_grid_thw"])
-    # The prompt's token types (1 = image token, for the 3D mRoPE positions), then text (0) for the completion.
+    # The prompt's token types (1 = image token, for the 3D mRoPE positions), then text (0) for the
+    # completion.
     N, T = completion_ids.shape
     types = forward_kwargs["mm_token_type_ids"]
     assert types.shape == (N, inputs["input_ids"].shape[1] + T)
@@ -261,7 +259,7 @@ def assert_vision_inputs_reached_the_model(forward_kwargs: dict, inputs: dict, c
 def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forward(tmp_path, monkeypatch):
     args = small_args(tmp_path, batch_size=3, trunk_reuse=False)
     model, tokenizer, image_processor = load_tiny_with_lora()
-    ro = make_rollout(model, tokenizer, image_processor, args)
+    run, ro = make_rollout(model, tokenizer, image_processor, args)
     seen_inputs, seen_forward = [], []
     real_logprobs = grpo.completion_logprobs
 
@@ -272,8 +270,9 @@ def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forwar
     monkeypatch.setattr(grpo, "completion_logprobs", spy)
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen_forward.append(dict(kw)), with_kwargs=True)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
-    scheduler = train.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
-    train.policy_update(model, ro, optimizer, scheduler, args, args.beta)
+    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
+    run.optimizer, run.scheduler = optimizer, scheduler
+    train.policy_update(run, ro, args, args.beta)
     hook.remove()
 
     assert len(seen_inputs) == 1 and len(seen_forward) == 1  # one recompute, with grad, of all N rows
@@ -291,7 +290,7 @@ def test_rollout_captures_the_trunk_from_every_image_grid_and_mm_token_type(tmp_
     args = small_args(tmp_path, batch_size=3, trunk_reuse=True, shared_prefill=False)
     model, tokenizer, image_processor = load_tiny_with_lora()
     seen_forward, seen_pixels = [], []
-    real_capture = grpo.capture_trunk
+    real_capture = speedups.capture_trunk
 
     def spy(model_, inputs, completion_ids, **kwargs):
         hooks = [
@@ -308,8 +307,8 @@ def test_rollout_captures_the_trunk_from_every_image_grid_and_mm_token_type(tmp_
             for hook in hooks:
                 hook.remove()
 
-    monkeypatch.setattr(grpo, "capture_trunk", spy)
-    ro = make_rollout(model, tokenizer, image_processor, args)
+    monkeypatch.setattr(speedups, "capture_trunk", spy)
+    _, ro = make_rollout(model, tokenizer, image_processor, args)
     assert len(seen_forward) == 1 and len(ro.chunks) == 1 and ro.chunks[0].trunk is not None
     forward_kwargs = seen_forward[0]
     assert "pixel_values" in forward_kwargs or "mm_encoder_outputs" in forward_kwargs
@@ -335,8 +334,8 @@ def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(
         seen_pixels.append(args_[0])
 
     model.model.visual.register_forward_hook(count, with_kwargs=True)
-    monkeypatch.setattr(grpo, "capture_trunk", lambda *a, **kw: pytest.fail("the trunk was run again"))
-    real_from_recording = grpo.trunk_from_recording
+    monkeypatch.setattr(speedups, "capture_trunk", lambda *a, **kw: pytest.fail("the trunk was run again"))
+    real_from_recording = speedups.trunk_from_recording
 
     def spy(model_, inputs, completion_ids, hidden_states, **kwargs):
         hook = model_.register_forward_pre_hook(lambda _m, _a, kw: mask_forwards.append(kw), with_kwargs=True)
@@ -345,8 +344,8 @@ def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(
         finally:
             hook.remove()
 
-    monkeypatch.setattr(grpo, "trunk_from_recording", spy)
-    ro = make_rollout(model, tokenizer, image_processor, args)
+    monkeypatch.setattr(speedups, "trunk_from_recording", spy)
+    run, ro = make_rollout(model, tokenizer, image_processor, args)
     assert len(ro.chunks) == 1 and ro.chunks[0].trunk is not None
     B, G = args.batch_size, args.group_size
     assert encoded == [int(ro.inputs["image_grid_thw"].shape[0]) // G]  # the B prompts' images, once
@@ -362,7 +361,7 @@ def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(
     # The recorded trunk gives the log-probs of a full forward with the images.
     with torch.no_grad():
         full, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
-        recorded, _ = train.chunk_logprobs(model, ro.chunks[0], args)
+        recorded, _ = train.chunk_logprobs(run, ro.chunks[0], args)
     torch.testing.assert_close(recorded[ro.mask], full[ro.mask], atol=1e-5, rtol=0)
 
 
@@ -384,7 +383,7 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
         temperature=temperature,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=train.suppressed_tokens(tokenizer),
+        suppress_token_ids=data.suppressed_tokens(tokenizer),
         return_logprobs=True,
     )
     torch.manual_seed(0)
@@ -393,10 +392,11 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
     ids_b, gen_logp_b = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **sampling)
     # The rollout's way: the B prompts with num_return_sequences, then train's chunked trunk recompute.
     args = small_args(tmp_path, group_size=G, temperature=temperature, trunk_reuse=True, micro_batch_size=4)
-    chunks = train.make_chunks(model, inputs, ids_b, args)
+    run = make_run(model, args)
+    chunks = train.row_chunks(run, inputs, ids_b, None, args)
     with torch.no_grad():
         logp = grpo.completion_logprobs(model, inputs, ids, temperature=temperature)[0]
-        logp_b = torch.cat([train.chunk_logprobs(model, chunk, args)[0] for chunk in chunks])
+        logp_b = torch.cat([train.chunk_logprobs(run, chunk, args)[0] for chunk in chunks])
         blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
         logp_blank = grpo.completion_logprobs(model, blank, ids, temperature=temperature)[0]
     for ids_, gen, recomputed in ((ids, gen_logp, logp), (ids_b, gen_logp_b, logp_b)):
@@ -592,7 +592,7 @@ def test_help_lists_the_documented_flags():
 
 def test_suppressed_tokens_are_the_vision_markers_and_specials_but_never_eos():
     tokenizer = model_io.AutoTokenizer.from_pretrained(model_io.DEFAULT_MODEL)
-    ids = train.suppressed_tokens(tokenizer)
+    ids = data.suppressed_tokens(tokenizer)
     vision = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
     assert {tokenizer.convert_tokens_to_ids(t) for t in vision} <= set(ids)
     assert tokenizer.eos_token_id not in ids and tokenizer.pad_token_id in ids

@@ -1,0 +1,107 @@
+"""How many lines a reader follows for one training step: every function body the step runs, one process.
+
+    python scripts/count_step_lines.py            # the default path and the plain path, a table per module
+
+It runs `train.main` for one step on the embedded tiny model and records, with `sys.setprofile`, every
+function of this project's modules that is called while `train_step` runs (the rollout, the rewards, the
+update; evaluation, checkpoints and set-up are outside it). A function counts once, however often it runs.
+"Body lines" are the non-blank lines after the signature (docstring, comments and code); "with signatures"
+adds the `def` lines and decorators. Nested functions count inside their parent.
+"The plain path" is `--no-shared-prefill --no-trunk-reuse` (transformers' generate and a full forward for each
+log-prob pass), the reference path that the speed-ups re-arrange.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import train
+
+PROJECT_FILES = {str(p) for p in ROOT.glob("*.py")}
+
+
+def function_spans(path: str) -> dict[int, tuple[int, int, int]]:
+    """first line (a decorator's, if any, as co_firstlineno) -> (that line, first body line, last line)."""
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    spans = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            spans[first] = (first, node.body[0].lineno, node.end_lineno)
+    return spans
+
+
+def traced_step(args: train.Args) -> set[tuple[str, int, str]]:
+    """(file, first line, name) of every project function called inside train_step during one step."""
+    called: set[tuple[str, int, str]] = set()
+    depth = 0  # > 0 while a train_step frame is on the stack
+
+    def profile(frame, event, arg):
+        nonlocal depth
+        code = frame.f_code
+        if event not in ("call", "return") or code.co_filename not in PROJECT_FILES:
+            return
+        if code.co_name == "train_step" and code.co_filename.endswith("train.py"):
+            depth += 1 if event == "call" else -1
+        if depth and event == "call" and not code.co_name.startswith("<"):
+            called.add((code.co_filename, code.co_firstlineno, code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        train.main(args)
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+def count(called: set[tuple[str, int, str]], verbose: bool = False) -> tuple[dict[str, tuple[int, int]], int]:
+    """Per module: (body lines, lines with signatures), unions over the called functions; and their number."""
+    per_module: dict[str, tuple[int, int]] = {}
+    for path in sorted({f for f, _, _ in called}):
+        spans = function_spans(path)
+        text = Path(path).read_text(encoding="utf-8").splitlines()
+        body: set[int] = set()
+        whole: set[int] = set()
+        for _, first, name in sorted(c for c in called if c[0] == path):
+            start, body_start, end = spans[first]
+            own = {i for i in range(body_start, end + 1) if text[i - 1].strip()}
+            if verbose:
+                print(f"  {Path(path).name}:{start} {name}: {len(own)}")
+            body |= own
+            whole |= {i for i in range(start, end + 1) if text[i - 1].strip()}
+        per_module[Path(path).name] = (len(body), len(whole))
+    return per_module, len(called)
+
+
+def main() -> None:
+    paths = {
+        "default": [],
+        "plain (--no-shared-prefill --no-trunk-reuse)": ["no_shared_prefill", "no_trunk_reuse"],
+    }
+    for label, off in paths.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            args = train.Args(
+                steps=1,
+                batch_size=4,
+                group_size=4,
+                train_size=16,
+                eval_size=0,
+                output_dir=f"{tmp}/run",
+                shared_prefill="no_shared_prefill" not in off,
+                trunk_reuse="no_trunk_reuse" not in off,
+            )
+            per_module, functions = count(traced_step(args), verbose="-v" in sys.argv)
+        body, whole = (sum(n[k] for n in per_module.values()) for k in (0, 1))
+        ranked = sorted(per_module.items(), key=lambda kv: -kv[1][0])
+        modules = ", ".join(f"{name} {n[0]}" for name, n in ranked)
+        print(f"{label}: {body} body lines ({whole} with signatures) in {functions} functions ({modules})")
+
+
+if __name__ == "__main__":
+    main()
