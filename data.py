@@ -23,6 +23,8 @@ Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt leng
 Choices:
 - A prompt longer than `max_prompt_length` raises instead of being truncated: cutting through a run of
   image tokens would desynchronise text and `pixel_values`, and silently cutting text changes the task.
+- Images above the image processor's pixel budget are resized down by it, never rejected; `check_samples`
+  counts them so that the caller can say so (`describe_resizes`) instead of letting it happen silently.
 - Rows are expanded with `repeat_interleave` semantics (prompt b becomes rows b*G .. b*G+G-1), and the
   flat `pixel_values` / `image_grid_thw` are expanded *per prompt block*, never with a flat `repeat`
   (the classic bug that pairs row b's text with another row's pixels).
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,19 +66,62 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     samples = []
-    with path.open(encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON.
+    with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) are not samples
             where = f"{path}:{lineno}"
+            # NOTE: parsed without its newline: a line cut short would otherwise fail after the newline,
+            # which json calls "line 2 column 1" of a one-line document.
+            text = line.rstrip("\r\n")
             try:
-                sample = json.loads(line)
+                sample = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+                raise ValueError(f"{where}: {_describe_json_error(text, e)}") from e
             samples.append(_validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
     return samples
+
+
+EXCERPT_WIDTH = 100  # characters of a long line shown around a JSON error
+
+
+def _describe_json_error(text: str, e: json.JSONDecodeError) -> str:
+    """'invalid JSON at column C: why (a hint)', then the line with a caret under the offending character.
+
+    The column is 1-based within `text` (one line, without its newline). A trailing comma is reported at
+    the comma itself, not at the '}' after it where json notices it.
+    """
+    pos, hint = e.pos, ""
+    at, before = text[pos : pos + 1], text[:pos].rstrip()
+    if before.endswith(",") and at in ("}", "]"):
+        pos, hint = len(before) - 1, f" (a trailing comma before '{at}'? JSON allows none)"
+    elif at == "'":
+        hint = " (single quotes? JSON needs double quotes around keys and strings)"
+    elif text.startswith(("True", "False", "None"), pos):
+        hint = " (Python's True/False/None? JSON spells them true/false/null)"
+    elif e.msg.startswith("Unterminated string"):
+        hint = " (the line ends inside this string: a missing '\"' or a line cut short?)"
+    elif not text[pos:].strip():
+        hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
+    why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
+    return f"invalid JSON at column {pos + 1}: {why}{hint}\n{_caret_excerpt(text, pos)}"
+
+
+def _caret_excerpt(text: str, pos: int) -> str:
+    """The line (a window of it when long), indented, and under it a caret at character `pos`."""
+    start = max(0, min(pos - EXCERPT_WIDTH // 2, len(text) - EXCERPT_WIDTH))
+    end = start + EXCERPT_WIDTH
+    cut = "..." if start else ""
+    shown = cut + text[start:end] + ("..." if end < len(text) else "")
+    # The caret lines up in a terminal: tabs stay tabs, East Asian wide characters take two cells.
+    pad = "".join(
+        "\t" if c == "\t" else "  " if unicodedata.east_asian_width(c) in ("W", "F") else " "
+        for c in cut + text[start:pos]
+    )
+    return f"    {shown}\n    {pad}^"
 
 
 def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
@@ -254,13 +300,37 @@ def _check_prompt_length(sample: dict, length: int, max_prompt_length: int | Non
         )
 
 
-def check_samples(samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None) -> None:
+@dataclass
+class ResizeReport:
+    """Images larger than the image processor's pixel budget, which it resizes down silently."""
+
+    count: int = 0
+    largest: tuple[int, int] | None = None  # (width, height) of the largest such original
+
+
+def image_pixel_budget(image_processor) -> int | None:
+    """The most pixels an image keeps; Qwen-VL processors resize a larger one down to about this many."""
+    if image_processor is None:
+        return None
+    # transformers 5 keeps max_pixels as size["longest_edge"] (a pixel count despite the name) and resizes
+    # by it (`get_number_of_image_patches`); older processors had a `max_pixels` attribute.
+    size = getattr(image_processor, "size", None)
+    budget = size.get("longest_edge") if size is not None and hasattr(size, "get") else None
+    return budget if budget is not None else getattr(image_processor, "max_pixels", None)
+
+
+def check_samples(
+    samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None
+) -> ResizeReport:
     """Fail fast, before any model work: decode every image once and bound every prompt's length.
 
     The visual-token count of an image comes from its size alone (`get_number_of_image_patches`, the
     image processor's own resize rule: images above its max_pixels are resized down, never rejected), so
-    this costs one image decode per image and one tokenization per prompt, no pixel processing.
+    this costs one image decode per image and one tokenization per prompt, no pixel processing. Returns
+    how many images that rule shrinks (see `describe_resizes`), which it would otherwise do silently.
     """
+    budget = image_pixel_budget(image_processor)
+    oversized = []
     for sample in samples:
         sizes = [load_image(im, sample).size for im in sample.get("images", [])]  # corrupt files fail here
         if sizes and image_processor is None:
@@ -272,7 +342,27 @@ def check_samples(samples: list[dict], tokenizer, image_processor, *, max_prompt
         for width, height in sizes:
             patches = image_processor.get_number_of_image_patches(height, width, {})
             length += patches // image_processor.merge_size**2
+            if budget is not None and width * height > budget:
+                oversized.append((width, height))
         _check_prompt_length(sample, length, max_prompt_length)
+    largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
+    return ResizeReport(count=len(oversized), largest=largest)
+
+
+def describe_resizes(report: ResizeReport, budget: int) -> str | None:
+    """One line saying how many images the image processor shrinks, and the largest; None when none."""
+    if report.count == 0:
+        return None
+    width, height = report.largest
+    if report.count == 1:
+        return (
+            f"1 image is larger than the image processor's budget ({budget:,} pixels) and is resized down "
+            f"to fit it: {width}x{height}"
+        )
+    return (
+        f"{report.count:,} images are larger than the image processor's budget ({budget:,} pixels) and are "
+        f"resized down to fit it; the largest is {width}x{height}"
+    )
 
 
 def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_image: list[int]) -> list[str]:

@@ -119,6 +119,15 @@ def mean_across_ranks(record: dict[str, float]) -> dict[str, float]:
     return merged
 
 
+def gather_lists(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on every rank (an object all-gather: small data)."""
+    if not initialized():
+        return list(items)
+    gathered: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, items)
+    return [item for rank_items in gathered for item in rank_items]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if it is True on one (all-reduce MAX): a decision all ranks take together."""
     if not initialized():

@@ -11,13 +11,23 @@
   built under a temporary name and renamed into place only when complete, so a crash during a save
   leaves the previous checkpoint intact. The adapter is written by a callback (this module does not
   import `lora.py`; only `train.py` ties the modules together).
+
+Choices:
+- The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
+  apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
+  loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
+- A checkpoint may name the run that wrote it (`checkpoint.json`); pruning with a run id deletes only
+  that run's older checkpoints, so two runs sharing an output folder never delete each other's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -88,18 +98,35 @@ def save_model(model, tokenizer, image_processor, directory: str | Path) -> None
 # Checkpoints
 
 STATE_FILE = "trainer_state.pt"
+OWNER_FILE = "checkpoint.json"
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, numpy, torch (and CUDA) RNG states as plain data, so that `weights_only=True` loads them."""
+    version, internal, gauss_next = random.getstate()
+    algorithm, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    state = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
+        # The uint32 Mersenne-Twister key travels as int64: every uint32 fits, and torch serialises it.
+        "numpy": {
+            "algorithm": algorithm,
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy = state["python"], state["numpy"]
+    random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+    key = numpy["key"].numpy().astype(np.uint32)
+    np.random.set_state((numpy["algorithm"], key, numpy["pos"], numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -111,11 +138,14 @@ def save_checkpoint(
     write_adapter: Callable[[Path], None],
     state: dict[str, Any],
     keep_last: int | None,
+    run_id: str | None = None,
 ) -> Path:
     """Write `directory` (e.g. runs/x/checkpoint-000100) atomically; prune older siblings to `keep_last`.
 
     `write_adapter(folder)` writes the adapter files; `state` (optimizer, scheduler, step, ...) is saved
-    with the RNG states as `trainer_state.pt`. The folder appears under its final name only once complete.
+    with the RNG states as `trainer_state.pt` and must be plain data. With a `run_id`, `checkpoint.json`
+    records it (and the step), and pruning counts only this run's checkpoints. The folder appears under its
+    final name only once complete.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
@@ -125,6 +155,10 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     write_adapter(tmp)
     torch.save({**state, "rng": rng_state()}, tmp / STATE_FILE)
+    _refuse_unsafe_globals(tmp / STATE_FILE)
+    if run_id is not None:
+        owner = {"run_id": run_id, "step": state.get("step")}
+        (tmp / OWNER_FILE).write_text(json.dumps(owner) + "\n", encoding="utf-8")
     _fsync_tree(tmp)
     if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
         old = directory.with_name(directory.name + ".old")
@@ -135,8 +169,20 @@ def save_checkpoint(
     else:
         os.replace(tmp, directory)
     if keep_last is not None:
-        prune_checkpoints(directory.parent, keep_last)
+        prune_checkpoints(directory.parent, keep_last, run_id=run_id)
     return directory
+
+
+def _refuse_unsafe_globals(path: Path) -> None:
+    """Fail at save time, not at resume time hours later, when the state is not plain data."""
+    # NOTE: the scan (torch >= 2.5) reads only the pickle, not the tensors; older torch skips the check.
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    unsafe = scan(path) if scan is not None else []
+    if unsafe:
+        raise TypeError(
+            f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store tensors, "
+            f"numbers, strings, lists and dicts only, or the checkpoint could not be loaded safely"
+        )
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -153,18 +199,102 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    for old in list_checkpoints(run_dir)[:-keep_last]:
+def checkpoint_run_id(directory: str | Path) -> str | None:
+    """The run id recorded in a checkpoint's `checkpoint.json`; None when it has none."""
+    path = Path(directory) / OWNER_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8")).get("run_id")
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = None) -> None:
+    """Delete all but the newest `keep_last` checkpoints; with a `run_id`, only among that run's own."""
+    found = list_checkpoints(run_dir)
+    if run_id is not None:
+        # NOTE: a folder of another run, or one without checkpoint.json, is never ours to delete.
+        found = [p for p in found if checkpoint_run_id(p) == run_id]
+    for old in found[:-keep_last]:
         shutil.rmtree(old)
 
 
 def load_checkpoint(directory: str | Path) -> dict[str, Any]:
-    """Read `trainer_state.pt` of a checkpoint folder (the caller loads the adapter and restores RNG)."""
+    """Read `trainer_state.pt` of a checkpoint folder (the caller loads the adapter and restores RNG).
+
+    Only plain data loads: a state that would need to run code to unpickle raises ValueError instead.
+    """
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
-    # weights_only=False: the state holds numpy RNG state and python tuples, written by this project.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # what weights_only raises for any global or opcode it does not allow
+        message = str(e)
+        found = re.search(r"GLOBAL (\S+)", message) or re.search(r"WeightsUnpickler error: ([^\n]*)", message)
+        reason = found.group(1) if found else message.strip().splitlines()[0]
+        # `from None`: torch's message advises weights_only=False, the very thing refused here.
+        raise ValueError(
+            f"{path}: not a plain-data trainer state (it would need to run code to load: {reason}); "
+            f"refusing to load it. Was it written by another program or an older version?"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Run folders: one run per folder
+
+# What a run writes into its folder, besides checkpoint-*/ (all of it is replaced by --overwrite).
+RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png")
+RUN_FOLDERS = ("adapter", "tensorboard")
+
+
+def run_folder(output_dir: str | None, resume: str | None) -> Path:
+    """The run's folder: `output_dir` (default runs/grpo), or with `resume` the resumed run's own folder."""
+    if not resume:
+        return Path(output_dir or "runs/grpo")
+    given = Path(resume)
+    if not given.is_dir():
+        raise ValueError(f"--resume: {given} is not a folder: give a run folder or one of its checkpoints")
+    folder = given.parent if (given / STATE_FILE).is_file() else given
+    if output_dir is not None and Path(output_dir).resolve() != folder.resolve():
+        raise ValueError(f"--output-dir: --resume continues {folder} in that folder; leave --output-dir out")
+    return folder
+
+
+def logged_steps(metrics_path: Path) -> int:
+    """The last step a metrics.jsonl records (0: only the step-0 evaluation; -1: none)."""
+    if not metrics_path.is_file():
+        return -1
+    steps = [-1]
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line is no step
+            steps.append(int(json.loads(line)["step"]))
+    return max(steps)
+
+
+def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
+    """What starting a run in `out` means, or a ValueError naming the flag, before anything is written:
+    'resume', 'new', or 'replace' (--overwrite, or the leftovers of a start that failed before its first
+    step, which nothing can resume). A folder that holds another run is refused: one run per folder."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--output-dir: {out} is a file, not a folder")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"--output-dir: {existing} is not writable")
+    checkpoints = list_checkpoints(out) if out.is_dir() else []
+    if resume:
+        if not (checkpoints or (Path(resume) / STATE_FILE).is_file()):
+            raise ValueError(
+                f"--resume: {out} holds no checkpoint-* folder (one is written every --save-every)"
+            )
+        return "resume"
+    steps = logged_steps(out / "metrics.jsonl")
+    if not checkpoints and steps <= 0:
+        return "replace" if out.is_dir() and any((out / name).exists() for name in RUN_FILES) else "new"
+    if overwrite:
+        return "replace"
+    raise ValueError(
+        f"{out} already holds a run ({steps} steps logged, {len(checkpoints)} checkpoints): continue it with "
+        f"--resume {out}, choose another --output-dir, or delete it with --overwrite"
+    )
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:

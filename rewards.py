@@ -69,6 +69,7 @@ import numbers
 import os
 import re
 import sys
+import traceback
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -281,14 +282,31 @@ def _describe(index: int, sample: Mapping[str, Any]) -> str:
     return f"completion {index}" + (f" (sample id {sample['id']!r})" if "id" in sample else "")
 
 
+def _name_the_failure(error: Exception, name: str, index: int, sample: Mapping[str, Any]) -> None:
+    """Name the reward and the sample on an exception a reward function raised. `user_message` is the one
+    line a command prints for it (cli.run: a failure in the user's code, not a bug of the trainer)."""
+    where = f"raised by reward {name!r} on {_describe(index=index, sample=sample)}"
+    error.add_note(where)
+    frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
+    error.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
+
+
+def _user_error(error: Exception) -> Exception:
+    """`error`, marked to be printed by a command as its one line (cli.run), without a traceback."""
+    error.user_message = str(error)
+    return error
+
+
 def _checked_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> float:
     # numbers.Real admits int, float and numpy scalars; bool is an int subclass but almost always a bug
     # (a forgotten float()), and a non-finite reward would poison the group's mean and std.
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
         return float(value)
-    raise ValueError(
-        f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
-        "rewards must return a finite int or float"
+    raise _user_error(
+        ValueError(
+            f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
+            "rewards must return a finite int or float"
+        )
     )
 
 
@@ -321,7 +339,7 @@ def score(
             try:
                 value = r.fn(completion, sample, **kwargs)
             except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
-                e.add_note(f"raised by reward {r.name!r} on {_describe(index=i, sample=sample)}")
+                _name_the_failure(e, r.name, i, sample)
                 raise
             values.append(_checked_value(value, r.name, i, sample))
         components[r.name] = values

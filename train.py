@@ -22,14 +22,13 @@ This file holds the configuration (`Args`), the step, then set-up, resume, check
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import shutil
-import signal
 import sys
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +37,11 @@ from typing import Literal
 import torch
 import tyro
 
+import cli
 import data
 import distributed
 import grpo
+import logs
 import lora
 import model_io
 import rewards
@@ -100,8 +101,16 @@ class Args:
 
     # --- rewards ---
     reward: tuple[str, ...] = ()
-    """Reward names (label, format, exact_match, answer_match, numeric_match, think_answer_format, iou)
-    or plug-ins 'module:function'. Default: answer_match for shapes; label and format for inspection."""
+    """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
+    answer_match (shapes) or label and format (inspection, summaries). Built-ins, each 0 or 1 unless said:
+    label: the first line's verdict (通过/不通过) equals the sample's "label";
+    format: exactly two lines, a verdict, then "理由: <reason>";
+    exact_match: the answer text (inside <answer>, if any) equals the sample's "answer";
+    answer_match: the same after normalising case, spaces and punctuation;
+    numeric_match: the last number of the answer is close to the sample's "answer";
+    think_answer_format: <think>...</think><answer>...</answer> and nothing else;
+    iou: IoU in [0, 1] of the last [x1, y1, x2, y2] box of the answer with the sample's "bbox".
+    Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
     reward_weight: tuple[float, ...] = ()
     """One weight per --reward (default 1.0 each)."""
     gate: tuple[str, ...] = ()
@@ -166,8 +175,18 @@ class Args:
     """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
 
     # --- logging, evaluation, checkpoints ---
-    output_dir: str = "runs/grpo"
-    """Run folder: metrics.jsonl, checkpoint-*/, adapter/, curves.png."""
+    output_dir: str | None = None
+    """Run folder (default runs/grpo; with --resume, the resumed run's own folder): run.json, metrics.jsonl,
+    rollouts.jsonl, timings.jsonl, checkpoint-*/, adapter/, curves.png. A folder belongs to one run: a
+    folder that holds another run is refused (--resume it, or --overwrite to replace it)."""
+    log_every: int = 1
+    """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
+    log_completions_every: int = 1
+    """Keep every sampled completion (text, rewards, advantage, length) in rollouts.jsonl every this many
+    steps; 0: never."""
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
+    """Also send every step's metrics, and at each evaluation a table of a few completions, to this tracker.
+    Its package must be installed (none of them is a dependency)."""
     eval_every: int = 25
     """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
     save_every: int = 50
@@ -175,9 +194,10 @@ class Args:
     keep_last: int = 2
     """Keep only the newest this many checkpoints."""
     resume: str | None = None
-    """Run folder or checkpoint folder to continue from."""
+    """A run folder (or one of its checkpoint-* folders) to continue, in that folder, from its latest (or
+    that) checkpoint. Give the run's flags again; --steps may grow."""
     overwrite: bool = False
-    """Allow writing into an output dir that already holds a run (its files are replaced)."""
+    """Delete the run the output folder holds (its logs, checkpoints, adapter, curves), then start anew."""
     dry_run: bool = False
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
@@ -228,9 +248,9 @@ class Rollout:
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
 
 
-def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict]:
-    """One GRPO step on this rank's B prompts: (metrics record, timings). Under torchrun the record is the
-    same on every rank: the update's stats are global, the rollout's metrics averaged over the ranks."""
+def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
+    """One GRPO step on this rank's B prompts: (metrics record, timings, the rollout). Under torchrun the
+    record is the same on every rank (global stats, rollout metrics averaged over the ranks)."""
     t0 = time.time()
     if run.world > 1:  # each rank its own sampling stream; one process keeps its single stream
         distributed.seed_rank_stream(args.seed, step, run.rank)
@@ -244,7 +264,26 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     if run.world > 1:
         metrics = distributed.mean_across_ranks(metrics)
     record = {"step": step, "beta": beta, **stats, **metrics}
-    return record, {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
+    timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
+    return record, timings, ro
+
+
+def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
+    """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows."""
+    if not args.log_completions_every or step % args.log_completions_every:
+        return []
+    rows = logs.rollout_records(
+        step,
+        ro.samples,
+        ro.texts,
+        {name: values.tolist() for name, values in ro.components.items()},
+        ro.reward.tolist(),
+        ro.adv.tolist(),
+        ro.mask.sum(dim=1).tolist(),
+        ro.truncated.tolist(),
+        args.group_size,
+    )
+    return distributed.gather_lists(rows) if run.world > 1 else rows
 
 
 @torch.no_grad()
@@ -406,6 +445,70 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
 # Set-up: data, rewards, model, LoRA, optimizer
 
 
+def check_args(args: Args) -> None:
+    """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError)."""
+    ranges = [
+        ("--batch-size", args.batch_size >= 1, "must be >= 1 prompt per step"),
+        ("--group-size", args.group_size >= 2, "must be >= 2: each completion is compared with its group"),
+        ("--max-new-tokens", args.max_new_tokens >= 1, "must be >= 1"),
+        ("--max-prompt-length", args.max_prompt_length >= 1, "must be >= 1"),
+        ("--temperature", args.temperature > 0, "must be > 0: at 0 every completion of a group is the same"),
+        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
+        ("--steps", args.steps >= 1, "must be >= 1"),
+        (
+            "--lr",
+            args.lr > 0 and math.isfinite(args.lr),
+            "must be a positive number (e.g. 2e-5 on real models)",
+        ),
+        ("--warmup-steps", args.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", args.weight_decay >= 0, "must be >= 0"),
+        ("--max-grad-norm", args.max_grad_norm > 0, "must be > 0"),
+        ("--max-bad-steps", args.max_bad_steps >= 0, "must be >= 0"),
+        ("--num-iterations", args.num_iterations >= 1, "must be >= 1"),
+        ("--micro-batch-size", args.micro_batch_size is None or args.micro_batch_size >= 1, "must be >= 1"),
+        ("--beta", args.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
+        ("--clip-eps-low", 0 <= args.clip_eps_low < 1, "must be in [0, 1)"),
+        ("--clip-eps-high", args.clip_eps_high >= 0, "must be >= 0"),
+        ("--adv-clip", args.adv_clip is None or args.adv_clip > 0, "must be > 0"),
+        ("--kl-adapt-factor", args.kl_adapt_factor > 1, "must be > 1"),
+        ("--lora-last-k", args.lora_last_k >= 1, "must be >= 1"),
+        ("--lora-r", args.lora_r >= 1, "must be >= 1"),
+        ("--lora-alpha", args.lora_alpha > 0, "must be > 0"),
+        ("--lora-dropout", 0 <= args.lora_dropout < 1, "must be in [0, 1)"),
+        ("--train-size", args.train_size >= 1, "must be >= 1"),
+        ("--eval-size", args.eval_size >= 0, "must be >= 0"),
+        ("--eval-every", args.eval_every >= 1, "must be >= 1"),
+        ("--save-every", args.save_every >= 1, "must be >= 1"),
+        ("--keep-last", args.keep_last >= 1, "must be >= 1"),
+        ("--log-every", args.log_every >= 1, "must be >= 1"),
+        ("--log-completions-every", args.log_completions_every >= 0, "must be >= 0 (0: never)"),
+    ]
+    for flag, ok, message in ranges:
+        cli.check(ok, flag, f"{message}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    band = (args.kl_target_low, args.kl_target_high)
+    cli.check(
+        (band[0] is None) == (band[1] is None), "--kl-target-low/--kl-target-high", "give both or neither"
+    )
+    cli.check(
+        band[0] is None or 0 <= band[0] < band[1], "--kl-target-low", "must be >= 0 and < --kl-target-high"
+    )
+    cli.check(not (args.resume and args.overwrite), "--overwrite", "cannot be combined with --resume")
+    for flag, paths in (
+        ("--data", args.data),
+        ("--eval-data", [args.eval_data]),
+        ("--prompt-template", [args.prompt_template]),
+    ):
+        for path in paths:
+            cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    cli.check(
+        bool(args.reward or not args.data), "--reward", "is required with --data (e.g. --reward label format)"
+    )
+    if args.device.startswith("cuda"):
+        cli.check(
+            torch.cuda.is_available(), "--device", f"{args.device}: no CUDA device here; use --device cpu"
+        )
+
+
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     names = args.reward or data.TASK_REWARDS.get(task, ())
     if not names:
@@ -454,10 +557,18 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
             f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
         )
     reward_fns = resolve_rewards(args, None if args.data else args.task)
+    accuracy_name = args.accuracy_reward or reward_fns[0].name
+    cli.check(
+        accuracy_name in [r.name for r in reward_fns],
+        "--accuracy-reward",
+        f"{accuracy_name!r} is not a --reward",
+    )
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
-    data.check_samples(
+    resized = data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
     )
+    message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
+    print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     lora.inject_lora(
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
@@ -476,7 +587,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         train_samples=train_samples,
         held_out=held_out,
         reward_fns=reward_fns,
-        accuracy_name=args.accuracy_reward or reward_fns[0].name,
+        accuracy_name=accuracy_name,
         parts=parts,
         record_block=record_block,
         rank=rank,
@@ -504,29 +615,37 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
+# The run folder: one run per folder (model_io.check_run_folder), written from the first step on
+
+
+def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, args: Args) -> None:
+    """The first write of a run (rank 0): clear what it replaces, or trim the logs of the resumed run to its
+    checkpoint (steps after it are redone), and record which run owns the folder."""
+    if mode == "replace":
+        for name in model_io.RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        for folder in [*(out / name for name in model_io.RUN_FOLDERS), *out.glob("checkpoint-*")]:
+            shutil.rmtree(folder, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if mode == "resume":
+        for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
+            logs.trim_jsonl(out / name, start_step)
+    record = {"run_id": run_id, "args": dataclasses.asdict(args)}
+    if mode != "resume" or not (out / "run.json").exists():
+        (out / "run.json").write_text(
+            json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
 # Resume and checkpoints
 
 
-def start_run(args: Args, out: Path, writer: bool, run: Run) -> tuple[int, float]:
-    """(start step, beta): resume a checkpoint (every rank loads it) or clear an old run (--overwrite)."""
-    metrics_path = out / "metrics.jsonl"
-    start_step, beta = 0, args.beta
-    if args.resume:  # rank 0 alone truncates metrics.jsonl
-        start_step, beta = resume_from(args.resume, run, metrics_path if writer else None)
-    elif args.overwrite and out.exists() and writer:
-        metrics_path.unlink(missing_ok=True)
-        # NOTE: the old run's checkpoints too: a stale checkpoint-000100 would outrank this run's newer ones,
-        # so keep_last pruning would delete those and --resume would load the old run.
-        for old in model_io.list_checkpoints(out):
-            shutil.rmtree(old)
-    out.mkdir(parents=True, exist_ok=True)
-    return start_step, beta
-
-
-def save(directory: Path, run: Run, step: int, beta: float, args: Args) -> None:
+def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
     state = {
         "step": step,
         "beta": beta,
+        "run_id": run_id,
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "args": dataclasses.asdict(args),
@@ -536,33 +655,26 @@ def save(directory: Path, run: Run, step: int, beta: float, args: Args) -> None:
         write_adapter=lambda d: lora.save_adapter(run.model, d, base_model_name_or_path=args.model),
         state=state,
         keep_last=args.keep_last,
+        run_id=run_id,
     )
 
 
-def resume_from(path: str, run: Run, metrics_path: Path | None) -> tuple[int, float]:
-    """Load adapter, optimizer, scheduler and RNG states; drop metric lines logged after the checkpoint.
-
-    metrics_path None (ranks other than 0 under torchrun): load only, leave the files to rank 0.
-    """
+def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
+    """Load adapter, optimizer, scheduler and RNG states of the latest checkpoint (or the one named):
+    (step, beta, run id). Refuses a checkpoint of another run than the folder's run.json."""
     checkpoint = Path(path)
     if not (checkpoint / model_io.STATE_FILE).exists():
-        found = model_io.list_checkpoints(checkpoint)
-        if not found:
-            raise SystemExit(f"--resume {path}: no checkpoint-* folder found")
-        checkpoint = found[-1]
-    state = model_io.load_checkpoint(checkpoint)
-    lora.load_adapter(run.model, checkpoint)
+        checkpoint = model_io.list_checkpoints(checkpoint)[-1]
+    with cli.user_errors(f"--resume {checkpoint}: "):
+        state = model_io.load_checkpoint(checkpoint)
+        lora.load_adapter(run.model, checkpoint)
+    owner = json.loads((out / "run.json").read_text()).get("run_id") if (out / "run.json").exists() else None
+    run_id = state.get("run_id") or owner or uuid.uuid4().hex
+    cli.check(owner in (None, run_id), "--resume", f"{checkpoint} belongs to another run than {out}/run.json")
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     model_io.set_rng_state(state["rng"])
-    step = state["step"]
-    if metrics_path is not None and metrics_path.exists():  # lines after the checkpoint would be logged again
-        kept = [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step]
-        tmp = metrics_path.with_suffix(".tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        tmp.replace(metrics_path)
-    print_if(metrics_path is not None, f"resumed from {checkpoint} at step {step}")
-    return step, state["beta"]
+    return state["step"], state["beta"], run_id
 
 
 def next_beta(beta: float, stats: dict[str, float], args: Args) -> float:
@@ -578,37 +690,13 @@ def next_beta(beta: float, stats: dict[str, float], args: Args) -> float:
     )
 
 
-@contextlib.contextmanager
-def stop_requests():
-    """Turn SIGINT / SIGTERM into a request (a non-empty list) that the loop honours after the current step.
-
-    The previous handlers are restored on exit, so importing or calling `main` changes nothing global.
-    Under torchrun the request is all-reduced after each step (halt_reason), so every rank stops together.
-    A second Ctrl-C while a request is pending interrupts at once (KeyboardInterrupt), as usual.
-    """
-    requests: list[str] = []
-
-    def handler(signum, frame):
-        if requests and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requests.append(signal.Signals(signum).name)
-        print(f"\n{requests[-1]} received: finishing the current step, then writing a checkpoint", flush=True)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield requests
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def halt_reason(stop: list[str], bad_in_a_row: int, args: Args) -> str | None:
+def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
     """Why the run stops after this step (a signal on any rank, too many bad steps), or None to go on.
 
-    NOTE: `stop` is read ONCE and the decision is taken from the all-reduced value alone: a signal arriving
-    between the all-reduce and a second read would otherwise stop this rank and not the others (a hang).
+    NOTE: the requests are read ONCE and the decision is taken from the all-reduced value alone: a signal
+    arriving between the all-reduce and a second read would otherwise stop this rank and not the others.
     """
-    requests = list(stop)
+    requests = list(stop.requests)
     if distributed.any_rank(bool(requests)):
         return requests[0] if requests else "a stop request on another rank"
     if bad_in_a_row > args.max_bad_steps:
@@ -659,62 +747,57 @@ def print_if(condition: bool, *values) -> None:
         print(*values)
 
 
-def progress(step: int, total: int, stats: dict, seconds: float) -> None:
-    done = int(30 * step / total)
-    line = (
-        f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}  reward {stats['reward/mean']:.3f}"
-        f"  kl {stats.get('kl', float('nan')):.4f}  {seconds:.0f}s"
-    )
-    print(line, end="", flush=True)
+NO_SIGNAL_HINT = (
+    "{n} steps in a row without a learning signal: every group's completions got the same reward, so every "
+    "advantage is 0. Likely causes: a reward that is always 0 or always 1 on this data (look at a few with "
+    "--dry-run, or in rollouts.jsonl), --group-size {G} too small, or --temperature {T} too low for the "
+    "completions of a prompt to differ."
+)
+
+
+@dataclass
+class Log:
+    """What the writing rank keeps between steps: the tracker, the clock, streaks, the latest accuracy."""
+
+    out: Path
+    tracker: logs.Tracker | None
+    t_start: float
+    first_step: int
+    accuracy: float | None = None
+    no_signal_in_a_row: int = 0
 
 
 def log_step(
-    out: Path, record: dict, timings: dict, total_steps: int, seconds: float, bad_in_a_row: int
+    log: Log, record: dict, timings: dict, completions: list[dict], args: Args, bad_in_a_row: int
 ) -> None:
-    """Append the step's metrics and timings, print progress (and a skipped optimizer step)."""
-    model_io.append_jsonl(out / "metrics.jsonl", record)
-    model_io.append_jsonl(out / "timings.jsonl", timings)
-    progress(record["step"], total_steps, record, seconds)
-    if record["skipped"]:
-        print(
-            f"\nstep {record['step']}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row"
+    """Append the step's metrics, timings and completions; print progress, skipped steps, missing signal."""
+    step = record["step"]
+    model_io.append_jsonl(log.out / "metrics.jsonl", record)
+    model_io.append_jsonl(log.out / "timings.jsonl", timings)
+    for row in completions:
+        model_io.append_jsonl(log.out / "rollouts.jsonl", row)
+    log.accuracy = record.get("eval/accuracy", log.accuracy)
+    if log.tracker is not None:
+        log.tracker.log(record, step)
+        if "eval/accuracy" in record and completions:
+            log.tracker.log_completions(completions[: args.group_size], step)
+    seconds_per_step = (time.time() - log.t_start) / (step - log.first_step)
+    if step % args.log_every == 0 or step == args.steps or record["skipped"]:
+        line = logs.progress_line(
+            step,
+            args.steps,
+            record,
+            seconds_per_step=seconds_per_step,
+            eta_seconds=seconds_per_step * (args.steps - step),
+            accuracy=log.accuracy,
         )
-
-
-def plot_curves(records: list[dict], path: Path) -> None:
-    """Reward, held-out accuracy and KL against step, drawn with PIL (no plotting dependency)."""
-    from PIL import Image, ImageDraw
-
-    panels = [
-        ("reward/mean", "train reward (mean)"),
-        ("eval/accuracy", "held-out accuracy (greedy)"),
-        ("kl", "KL to reference"),
-    ]
-    W, H, pad = 900, 260, 50
-    image = Image.new("RGB", (W, H * len(panels)), "white")
-    draw = ImageDraw.Draw(image)
-    for p, (key, title) in enumerate(panels):
-        pts = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
-        top = p * H
-        draw.rectangle((pad, top + 30, W - 20, top + H - 30), outline="black")
-        if not pts:
-            draw.text((pad, top + 8), f"{title}: no data", fill="black")
-            continue
-        xs, ys = [x for x, _ in pts], [y for _, y in pts]
-        x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-        y0, y1 = min(ys), max(ys)
-        if y1 - y0 < 1e-9:
-            y0, y1 = y0 - 0.5, y1 + 0.5
-
-        def to_pixel(x, y, x0=x0, x1=x1, y0=y0, y1=y1, top=top):
-            return pad + (x - x0) / (x1 - x0) * (W - 20 - pad), top + H - 30 - (y - y0) / (y1 - y0) * (H - 60)
-
-        draw.line([to_pixel(x, y) for x, y in pts], fill=(30, 90, 200), width=2)
-        for x, y in pts[-1:] + pts[:1]:
-            px, py = to_pixel(x, y)
-            draw.text((px + 3, py - 12), f"{y:.3g}", fill="black")
-        draw.text((pad, top + 8), f"{title}   [{y0:.3g}, {y1:.3g}]   steps {x0}..{x1}", fill="black")
-    image.save(path)
+        logs.print_progress(line, tty=sys.stdout.isatty())
+    if record["skipped"]:
+        print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
+    log.no_signal_in_a_row = log.no_signal_in_a_row + 1 if record["frac_zero_std_groups"] == 1.0 else 0
+    if log.no_signal_in_a_row == 3:  # once per streak
+        hint = NO_SIGNAL_HINT.format(n=3, G=args.group_size, T=args.temperature)
+        print(f"\nwarning: {hint}", flush=True)
 
 
 def summarise(records: list[dict], out: Path, seconds: float) -> dict:
@@ -731,7 +814,7 @@ def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     print()
     lora.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    plot_curves(records, out / "curves.png")
+    logs.plot_curves(records, out / "curves.png")
     return summarise(records, out, seconds)
 
 
@@ -751,52 +834,96 @@ def dry_run(run: Run, args: Args) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Main: set up, then the loop: step -> log -> evaluate -> checkpoint
+# Main: check, set up, then the loop: step -> log -> evaluate -> checkpoint
 
 
 def main(args: Args) -> dict:
-    device = distributed.resolve_device(args.device)
-    rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
-    dtype = model_io.resolve_dtype(args.dtype, device)
-    out = Path(args.output_dir)
-    metrics_path = out / "metrics.jsonl"
-    if distributed.any_rank(metrics_path.exists() and not (args.resume or args.overwrite or args.dry_run)):
-        raise SystemExit(f"{out} already holds a run; pass --resume {out} to continue it or --overwrite")
+    """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
+    a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
+    current step and a checkpoint."""
+    with cli.signals() as stop:  # Ctrl-C / SIGTERM: at once during set-up, after the step during training
+        check_args(args)
+        device = distributed.resolve_device(args.device)
+        rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
+        writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+        with cli.user_errors():
+            out = model_io.run_folder(args.output_dir, args.resume)
+            if not args.dry_run:  # nothing is written before the loop
+                mode = model_io.check_run_folder(out, resume=args.resume, overwrite=args.overwrite)
+            dtype = model_io.resolve_dtype(args.dtype, device)
+            run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
+        if args.dry_run:
+            return dry_run(run, args)
+        start_step, beta, run_id = 0, args.beta, uuid.uuid4().hex
+        if mode == "resume":
+            start_step, beta, run_id = resume_from(args.resume, out, run)
+            print_if(writer, f"resumed {out} from step {start_step}")
+        print_if(writer, describe(run, args, dtype))
+        first = {"step": 0, **(evaluate(run, args) if run.held_out else {})} if start_step == 0 else None
+        stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
+        log = None
+        if writer:
+            open_run_folder(out, mode, run_id, start_step, args)
+            with cli.user_errors():
+                tracker = logs.open_tracker(args.report_to, out, dataclasses.asdict(args), run_name=out.name)
+            log = Log(out, tracker, time.time(), start_step, accuracy=(first or {}).get("eval/accuracy"))
+            if first is not None:
+                model_io.append_jsonl(out / "metrics.jsonl", first)
+                if tracker is not None:
+                    tracker.log(first, 0)
+        distributed.barrier()
+        try:
+            return train_loop(run, args, stop, log, out, start_step, beta, run_id)
+        finally:
+            if log is not None and log.tracker is not None:
+                log.tracker.close()
 
-    run = build_run(args, device, dtype, rank, world)  # every input is checked here, before the first rollout
-    if args.dry_run:
-        return dry_run(run, args)
-    writer = rank == 0  # the only rank that writes files, prints progress and evaluates
-    start_step, beta = start_run(args, out, writer, run)
-    print_if(writer, describe(run, args, dtype))
-    if start_step == 0 and writer:
-        model_io.append_jsonl(metrics_path, {"step": 0, **(evaluate(run, args) if run.held_out else {})})
 
-    t_start, bad_in_a_row = time.time(), 0
-    with stop_requests() as stop:  # Ctrl-C / SIGTERM: finish this step, checkpoint, exit
-        for step in range(start_step + 1, args.steps + 1):
-            record, timings = train_step(step, run, args, beta)  # sample, score, update
-            beta = next_beta(beta, record, args)
-            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-            if writer:  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
-                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                    record.update(evaluate(run, args))
-                log_step(out, record, timings, args.steps, time.time() - t_start, bad_in_a_row)
-            halt = halt_reason(stop, bad_in_a_row, args)
-            if writer and (step % args.save_every == 0 or step == args.steps or halt):
-                save(out / f"checkpoint-{step:06d}", run, step, beta, args)
-            if halt:
-                distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
-                raise SystemExit(
-                    f"\nstopped after step {step} ({halt}); checkpoint written. "
-                    f"Continue with: python train.py --resume {out} <the same flags>"
-                )
-    return finish(run, args, out, time.time() - t_start) if writer else {}
+def train_loop(
+    run: Run,
+    args: Args,
+    stop: cli.Signals,
+    log: Log | None,
+    out: Path,
+    start_step: int,
+    beta: float,
+    run_id: str,
+) -> dict:
+    """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
+    bad_in_a_row = 0
+    for step in range(start_step + 1, args.steps + 1):
+        record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
+        completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
+        beta = next_beta(beta, record, args)
+        bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+        if (
+            log is not None
+        ):  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
+            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                record.update(evaluate(run, args))
+            log_step(log, record, timings, completions, args, bad_in_a_row)
+        halt = halt_reason(stop, bad_in_a_row, args)
+        if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
+            save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
+        if halt:
+            distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
+            message = (
+                f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
+                + resume_command(out)
+            )
+            if stop.requests:
+                raise cli.Stopped(message)
+            raise SystemExit(message)
+    return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
+
+
+def resume_command(out: Path) -> str:
+    """The command that continues the run in `out` (the flags are read back from its run.json)."""
+    return f"python train.py --resume {out} <the same flags, --steps may grow>"
 
 
 if __name__ == "__main__":
     try:
-        main(tyro.cli(Args))
+        cli.run(main, tyro.cli(Args))
     finally:
-        distributed.finish_distributed()  # torchrun: destroy the process group, after a stop (SystemExit) too
-    sys.exit(0)
+        distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

@@ -27,6 +27,9 @@ How it measures (CPU, fp32, one run, one machine):
 - TRL (in the interpreter given by --trl-python, or this one if it has trl and peft): GRPOTrainer with a
   PEFT LoRA on the same blocks, same model, prompts, B, G, T, beta and loss; its step time is the time
   between the trainer's on_step_begin and on_step_end callbacks, again without the first step.
+
+A bad flag (an unknown --config, a count below 1, a --trl-python that is not there) prints one line
+`error: ...` naming it and exits with status 2 before any model is built (cli.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import copy
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +50,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
 import data
 import grpo
 import lora
@@ -574,7 +579,27 @@ def run_trl(name: str, steps: int, trl_python: str | None) -> dict | str:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+def check_args(bench: BenchArgs) -> None:
+    """Every flag's range before any model is built (cli.UsageError)."""
+    cli.check(bench.config in CONFIGS, "--config", f"unknown {bench.config!r}; known: {', '.join(CONFIGS)}")
+    for flag, value in (
+        ("--steps", bench.steps),
+        ("--num-iterations", bench.num_iterations),
+        ("--threads", bench.threads),
+    ):
+        cli.check(value >= 1, flag, f"must be >= 1, got {value}")
+    micro = bench.micro_batch_size
+    cli.check(micro is None or micro >= 1, "--micro-batch-size", f"must be >= 1, got {micro}")
+    variant = bench.memory_variant
+    known = ", ".join(MEMORY_VARIANTS)
+    cli.check(variant in (None, *MEMORY_VARIANTS), "--memory-variant", f"unknown {variant!r}; known: {known}")
+    python = bench.trl_python
+    found = python is None or shutil.which(python) is not None
+    cli.check(found, "--trl-python", f"{python} is neither an executable file nor a command on PATH")
+
+
 def main(bench: BenchArgs) -> None:
+    check_args(bench)
     torch.set_num_threads(bench.threads)
     if bench.memory_variant:
         print(json.dumps(memory_variant(bench.memory_variant)))
@@ -595,4 +620,4 @@ def main(bench: BenchArgs) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchArgs))
+    cli.run(main, tyro.cli(BenchArgs))

@@ -34,6 +34,10 @@ format reward 1; only when samples have a `label`), mean completion length, frac
 exactly) and base + adapter on the same samples and seed, into `<stem>.base.jsonl` and
 `<stem>.adapter.jsonl` (each resumable, each with its summary), and writes one report with both columns
 to `<stem>.compare.json`.
+
+Errors: a bad flag, a missing file, a malformed data line, a reward that cannot be loaded or fails on a sample
+(its ground truth missing or malformed), or an output written by another evaluation print one line
+`error: ...` naming the flag or file:line and exit with status 2 (cli.py); a bug keeps its traceback (1).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
 import data
 import grpo
 import lora
@@ -157,8 +162,16 @@ def read_done(path: Path) -> list[dict]:
             records.append(json.loads(line))
         except (json.JSONDecodeError, UnicodeDecodeError):
             if lineno < len(lines):  # only the last line can be torn; damage before it is not ours to fix
-                raise SystemExit(f"{path}:{lineno}: invalid JSON before the last line; fix or --overwrite")
+                raise cli.UsageError(
+                    f"{path}:{lineno}: invalid JSON before the last line; fix that line, pass --overwrite, "
+                    "or choose another --output"
+                )
             break
+        if not (isinstance(records[-1], dict) and "source" in records[-1] and "id" in records[-1]):
+            raise cli.UsageError(
+                f"{path}:{lineno}: not a line of evaluate.py (no source and id); pass --overwrite or "
+                "choose another --output"
+            )
         good_bytes += len(line) + 1
     if good_bytes < len(raw):
         print(f"{path}: dropping a torn last line ({len(raw) - good_bytes} bytes)")
@@ -188,10 +201,12 @@ def check_settings(path: Path, settings: dict, overwrite: bool) -> None:
         for p in (path, path.with_suffix(".summary.json"), settings_path):
             p.unlink(missing_ok=True)
     if path.exists() and settings_path.exists():
-        old = json.loads(settings_path.read_text(encoding="utf-8"))
+        with cli.user_errors(f"{settings_path}: cannot be read (pass --overwrite to start afresh): "):
+            old = json.loads(settings_path.read_text(encoding="utf-8"))
+        cli.check(isinstance(old, dict), str(settings_path), "not a settings file; pass --overwrite")
         changed = sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k))
         if changed:
-            raise SystemExit(
+            raise cli.UsageError(
                 f"{path} was written with other settings ({', '.join(changed)}); "
                 "pass --overwrite or choose another --output"
             )
@@ -232,11 +247,30 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
     names = args.reward or data.TASK_REWARDS.get(task, ())
-    if not names:
-        raise ValueError("--reward is required with --data (e.g. --reward label format)")
-    if args.reward_weight and len(args.reward_weight) != len(names):
-        raise ValueError(f"--reward-weight has {len(args.reward_weight)} values for {len(names)} rewards")
-    return rewards.parse_reward_specs(list(names), list(args.reward_weight) or None, list(args.gate) or None)
+    cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
+    n_weights = len(args.reward_weight)
+    cli.check(
+        n_weights in (0, len(names)), "--reward-weight", f"has {n_weights} values for {len(names)} rewards"
+    )
+    unknown = sorted(set(args.gate) - set(names))
+    cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {list(names)}")
+    with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
+        return rewards.parse_reward_specs(
+            list(names), list(args.reward_weight) or None, list(args.gate) or None
+        )
+
+
+@contextlib.contextmanager
+def reward_errors(sample: dict):
+    """A reward failing on a sample (its ground truth missing or malformed, a plug-in returning NaN) is an
+    input error naming the sample's file:line; anything else a plug-in raises keeps its traceback."""
+    try:
+        yield
+    except (ValueError, KeyError) as e:
+        reason = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        notes = "".join(f" ({note})" for note in getattr(e, "__notes__", []))
+        where = sample.get("_where") or f"{sample['_source']} sample {sample['_id']}"
+        raise cli.UsageError(f"{where}: {reason}{notes}; fix the sample or the --reward") from e
 
 
 def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
@@ -320,7 +354,9 @@ def evaluate_to_file(
             generated = generate(model, tokenizer, image_processor, batch, args, device)
             for sample, completions, written in zip(batch, generated, batch_done):
                 if not written:
-                    append_line(f, score_sample(sample, completions, reward_fns, accuracy_name))
+                    with reward_errors(sample):
+                        record = score_sample(sample, completions, reward_fns, accuracy_name)
+                    append_line(f, record)
             print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)
     summary = summarise(read_done(path))
     write_json_atomic(path.with_suffix(".summary.json"), summary)
@@ -356,24 +392,75 @@ def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool) ->
     }
 
 
-def main(args: Args) -> dict[str, dict]:
-    if args.compare and not args.adapter:
-        raise SystemExit("--compare needs --adapter")
-    if args.num_samples < 1 or (args.num_samples > 1 and args.temperature <= 0):
-        raise SystemExit("--num-samples must be >= 1, and > 1 needs --temperature > 0 (else k equal copies)")
-    device = torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+def check_args(args: Args) -> None:
+    """Every flag's range and every file it names, before anything is loaded (cli.UsageError)."""
+    cli.check(not args.compare or args.adapter is not None, "--compare", "needs --adapter")
+    cli.check(args.num_samples >= 1, "--num-samples", f"must be >= 1, got {args.num_samples}")
+    sampled = args.num_samples > 1
+    cli.check(
+        not sampled or args.temperature > 0,
+        "--temperature",
+        f"must be > 0 with --num-samples > 1 (else k equal copies), got {args.temperature}",
     )
-    samples, task = load_eval_samples(args)
+    cli.check(not sampled or 0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
+    for flag, value in (
+        ("--batch-size", args.batch_size),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--max-prompt-length", args.max_prompt_length),
+    ):
+        cli.check(value >= 1, flag, f"must be >= 1, got {value}")
+    cli.check(bool(args.data) or args.eval_size >= 1, "--eval-size", f"must be >= 1, got {args.eval_size}")
+    for flag, paths in (("--data", args.data), ("--prompt-template", [args.prompt_template])):
+        for path in paths:
+            cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    if args.adapter is not None:
+        config = Path(args.adapter) / lora.ADAPTER_CONFIG
+        cli.check(
+            config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
+        )
+    for _, path, _ in planned_runs(args):
+        cli.check(not path.is_dir(), "--output", f"{path} is a folder; give a .jsonl file")
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: 'auto' is cuda if available, else cpu; a malformed name or a missing GPU is a UsageError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch's message lists the device types it knows
+        raise cli.UsageError(f"--device: {e}") from e
+    cli.check(device.type != "cuda" or torch.cuda.is_available(), "--device", f"{name}: no CUDA device here")
+    return device
+
+
+def load_model(args: Args, device: torch.device):
+    """(model, tokenizer, image_processor), with --adapter loaded; a path or adapter that does not fit is a
+    UsageError."""
+    with cli.user_errors("--dtype: "):
+        dtype = model_io.resolve_dtype(args.dtype, device)
+    with cli.user_errors("--model: "):
+        model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    if args.adapter:
+        with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
+            lora.load_adapter(model, args.adapter)
+    return model.eval(), tokenizer, image_processor
+
+
+def main(args: Args) -> dict[str, dict]:
+    check_args(args)
+    device = resolve_device(args.device)
+    with cli.user_errors():  # data.py's messages name file:line
+        samples, task = load_eval_samples(args)
     reward_fns = resolve_rewards(args, task)
     accuracy_name = args.accuracy_reward or reward_fns[0].name
-    if accuracy_name not in [r.name for r in reward_fns]:
-        raise SystemExit(f"--accuracy-reward {accuracy_name!r} is not among the rewards")
-    dtype = model_io.resolve_dtype(args.dtype, device)
-    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
-    if args.adapter:
-        lora.load_adapter(model, args.adapter)
-    model.eval()
+    names = [r.name for r in reward_fns]
+    cli.check(
+        accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not among the rewards {names}"
+    )
+    model, tokenizer, image_processor = load_model(args, device)
+    with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
+        data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
 
     summaries = {}
     for name, path, adapter_on in planned_runs(args):
@@ -396,4 +483,4 @@ def main(args: Args) -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli.run(main, tyro.cli(Args))

@@ -19,6 +19,9 @@ The same prompts, seed and options always give the same file.
 
 `--write-prompts N` first writes N prompts of the built-in inspection task to --prompts (prompt_id, prompt,
 label, answer; no images, which scoring does not need), so that the whole loop runs without any input.
+
+A bad flag, a missing prompts file or a malformed prompts line prints one line `error: ...` naming the flag
+or file:line and exits with status 2 (cli.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
 import data
 
 
@@ -121,12 +125,19 @@ def mock_rollouts(prompts: list[dict], args: Args) -> list[dict]:
 
 
 def read_prompts(path: str) -> list[dict]:
-    prompts = [
-        json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()
-    ]
-    for i, p in enumerate(prompts, start=1):
-        if "prompt_id" not in p or not ("label" in p or "answer" in p):
-            raise SystemExit(f"{path}:{i}: a prompt needs prompt_id and a label or an answer")
+    """The prompts of a JSONL file (blank lines skipped); a malformed line is a UsageError at file:line."""
+    prompts = []
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise cli.UsageError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(p, dict) or "prompt_id" not in p or not ("label" in p or "answer" in p):
+            raise cli.UsageError(f"{path}:{lineno}: a prompt needs prompt_id and a label or an answer")
+        prompts.append(p)
+    cli.check(bool(prompts), "--prompts", f"{path} holds no prompts")
     return prompts
 
 
@@ -137,18 +148,44 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def check_args(args: Args) -> None:
+    """Every flag's range and the prompts file, before anything is written (cli.UsageError)."""
+    for flag, value in (("--group-size", args.group_size), ("--steps", args.steps)):
+        cli.check(value >= 1, flag, f"must be >= 1, got {value}")
+    n = args.write_prompts
+    cli.check(n is None or n >= 1, "--write-prompts", f"must be >= 1, got {n}")
+    for flag, p in (("--p-correct", args.p_correct), ("--p-malformed", args.p_malformed)):
+        cli.check(0 <= p <= 1, flag, f"must be a probability in [0, 1], got {p}")
+    total = args.p_correct + args.p_malformed
+    cli.check(
+        total <= 1, "--p-correct/--p-malformed", f"must sum to at most 1 (the rest are wrong), got {total}"
+    )
+    for flag, path in (("--prompts", args.prompts), ("--output", args.output)):
+        cli.check(not Path(path).is_dir(), flag, f"{path} is a folder; give a .jsonl file")
+    if n is None:
+        cli.check(
+            Path(args.prompts).is_file(),
+            "--prompts",
+            f"{args.prompts} does not exist; write it with --write-prompts N",
+        )
+
+
 def main(args: Args) -> list[dict]:
-    if not (0 <= args.p_correct and 0 <= args.p_malformed and args.p_correct + args.p_malformed <= 1):
-        raise SystemExit("need p_correct, p_malformed >= 0 with p_correct + p_malformed <= 1")
+    check_args(args)
     if args.write_prompts:
-        write_jsonl(args.prompts, builtin_prompts(args.write_prompts, args.seed))
+        prompts = builtin_prompts(args.write_prompts, args.seed)
+        with cli.user_errors("--prompts: "):  # e.g. a folder that cannot be written
+            write_jsonl(args.prompts, prompts)
         print(f"wrote {args.write_prompts} prompts to {args.prompts}")
-    lines = mock_rollouts(read_prompts(args.prompts), args)
-    write_jsonl(args.output, lines)
+    with cli.user_errors("--prompts: "):  # unreadable or not UTF-8
+        prompts = read_prompts(args.prompts)
+    lines = mock_rollouts(prompts, args)
+    with cli.user_errors("--output: "):
+        write_jsonl(args.output, lines)
     counts = {k: sum(line["meta"]["kind"] == k for line in lines) for k in ("correct", "wrong", "malformed")}
     print(f"wrote {len(lines)} candidates to {args.output}: {counts}")
     return lines
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli.run(main, tyro.cli(Args))

@@ -33,6 +33,8 @@ Choices:
   the output) under a hash of (reward name, prompt_id, text, the prompt record), so a rerun calls no reward
   function, and a changed ground truth is not served stale values. A changed plug-in is not detected:
   delete the cache file. Rewards that need token counts (`completion_length`) are not supported here.
+- Errors: a missing file, a malformed prompts line, a reward that cannot be loaded, an unreadable cache or a
+  bad flag print one line `error: ...` naming the flag or file:line and exit with status 2 (cli.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
 import grpo
 import rewards
 
@@ -95,12 +98,12 @@ def read_prompts(path: str) -> dict[str, dict]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"{where}: invalid JSON ({e.msg})") from e
+                raise cli.UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
             if not isinstance(record, dict) or "prompt_id" not in record:
-                raise SystemExit(f"{where}: a prompt must be an object with a prompt_id")
+                raise cli.UsageError(f"{where}: a prompt must be an object with a prompt_id")
             pid = str(record["prompt_id"])
             if pid in prompts:
-                raise SystemExit(f"{where}: prompt_id {pid!r} appears twice")
+                raise cli.UsageError(f"{where}: prompt_id {pid!r} appears twice")
             prompts[pid] = record
     return prompts
 
@@ -143,7 +146,9 @@ def default_rewards(prompts: dict[str, dict]) -> tuple[str, ...]:
         return ("label", "format")
     if prompts and all("answer" in p for p in prompts.values()):
         return ("answer_match",)
-    raise SystemExit("cannot choose a default reward for these prompts; pass --reward")
+    raise cli.UsageError(
+        "--reward: no default fits these prompts (not all have a label, nor all an answer); pass --reward"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,8 +157,13 @@ def default_rewards(prompts: dict[str, dict]) -> tuple[str, ...]:
 
 def open_cache(path: Path) -> sqlite3.Connection:
     path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE IF NOT EXISTS reward (key TEXT PRIMARY KEY, value REAL NOT NULL)")
+    try:
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE IF NOT EXISTS reward (key TEXT PRIMARY KEY, value REAL NOT NULL)")
+    except sqlite3.DatabaseError as e:  # e.g. another file at that path: sqlite says "file is not a database"
+        raise cli.UsageError(
+            f"--cache {path}: not a reward cache ({e}); delete it or pass another --cache"
+        ) from e
     return conn
 
 
@@ -264,17 +274,38 @@ def output_paths(args: Args) -> tuple[Path, Path, Path]:
     return output, report, cache
 
 
+def check_args(args: Args) -> tuple[Path, Path, Path]:
+    """Input files exist, outputs are not folders, --group-size is a group; return (output, report, cache)."""
+    for flag, path in (("--rollouts", args.rollouts), ("--prompts", args.prompts)):
+        cli.check(Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    G = args.group_size
+    cli.check(G is None or G >= 2, "--group-size", f"must be >= 2 (a group needs a baseline), got {G}")
+    paths = output_paths(args)
+    for flag, path in zip(("--output", "--report", "--cache"), paths):
+        cli.check(not path.is_dir(), flag, f"{path} is a folder; give a file")
+    return paths
+
+
+def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Reward]:
+    """--reward (or the prompts' default), --reward-weight and --gate; a mistake in them is a UsageError."""
+    names = list(args.reward or default_rewards(prompts))
+    n_weights = len(args.reward_weight)
+    cli.check(
+        n_weights in (0, len(names)), "--reward-weight", f"has {n_weights} values for {len(names)} rewards"
+    )
+    unknown = sorted(set(args.gate) - set(names))
+    cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {names}")
+    with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
+        return rewards.parse_reward_specs(names, list(args.reward_weight) or None, list(args.gate) or None)
+
+
 def main(args: Args) -> dict:
-    output, report_path, cache_path = output_paths(args)
-    prompts = read_prompts(args.prompts)
-    names = args.reward or default_rewards(prompts)
-    try:
-        reward_fns = rewards.parse_reward_specs(
-            names, list(args.reward_weight) or None, list(args.gate) or None
-        )
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
-    good, bad, n_lines = parse_rollouts(args.rollouts, prompts)
+    output, report_path, cache_path = check_args(args)
+    with cli.user_errors("--prompts: "):  # unreadable or not UTF-8
+        prompts = read_prompts(args.prompts)
+    reward_fns = reward_functions(args, prompts)
+    with cli.user_errors("--rollouts: "):
+        good, bad, n_lines = parse_rollouts(args.rollouts, prompts)
     conn, cache_stats = open_cache(cache_path), collections.Counter(hits=0, misses=0)
     try:
         scored, reward_bad = score_lines(good, prompts, [cached(r, conn, cache_stats) for r in reward_fns])
@@ -295,4 +326,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli.run(main, tyro.cli(Args))

@@ -52,6 +52,9 @@ Choices, where the issue text was silent:
     val/margin mean over groups of mean_logp(best-scored) - mean_logp(worst-scored) (reported only).
   The best checkpoint is chosen among the trained epochs (RCE epochs included); epoch 0 is only logged.
   NOTE: with --best-by kl the least-moved epoch wins, usually the first one.
+- Errors: a bad flag, a missing file or a malformed line (scored groups, images, completions too long) print
+  one line `error: ...` naming the flag or file:line and exit with status 2 (cli.py), before the model is
+  trained and before an old run in --output-dir is replaced; a bug keeps its traceback (exit status 1).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
 import data
 import grpo
 import lora
@@ -526,10 +530,65 @@ def epoch_order(n_batches: int, epoch: int, seed: int) -> list[int]:
 # Main
 
 
+def check_args(args: Args) -> None:
+    """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError)."""
+    either = args.demo != (args.data is not None) and not (args.demo and args.val_data)
+    cli.check(either, "--data", "pass either --data FILE [--val-data FILE] or --demo")
+    for flag, path in (("--data", args.data), ("--val-data", args.val_data)):
+        cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    top_k, adv_clip = args.curriculum_top_k, args.adv_clip
+    ranges = [
+        (
+            "--val-fraction",
+            args.data is None or args.val_data is not None or 0 < args.val_fraction < 1,
+            "must be in (0, 1)",
+        ),
+        ("--demo-size", args.demo_size >= 1, "must be >= 1"),
+        ("--max-prompt-length", args.max_prompt_length >= 1, "must be >= 1"),
+        ("--max-completion-length", args.max_completion_length >= 1, "must be >= 1 (EOS included)"),
+        ("--lora-last-k", args.lora_last_k >= 1, "must be >= 1"),
+        ("--lora-r", args.lora_r >= 1, "must be >= 1"),
+        ("--lora-alpha", args.lora_alpha > 0, "must be > 0"),
+        ("--rce-epochs", args.rce_epochs >= 0, "must be >= 0"),
+        ("--grpo-epochs", args.grpo_epochs >= 0, "must be >= 0"),
+        ("--tau-start", args.tau_start > 0, "must be > 0"),
+        ("--tau-end", args.tau_end > 0, "must be > 0"),
+        ("--rce-lr-scale", args.rce_lr_scale > 0, "must be > 0"),
+        ("--batch-size", args.batch_size >= 1, "must be >= 1 prompt per step"),
+        ("--beta", args.beta >= 0, "must be >= 0 (0 drops the KL term)"),
+        ("--clip-eps-low", 0 <= args.clip_eps_low < 1, "must be in [0, 1)"),
+        ("--clip-eps-high", args.clip_eps_high >= 0, "must be >= 0"),
+        ("--adv-clip", adv_clip is None or adv_clip > 0, "must be > 0"),
+        ("--curriculum-top-k", top_k is None or top_k >= 1, "must be >= 1"),
+        ("--curriculum-epochs", args.curriculum_epochs >= 0, "must be >= 0"),
+        ("--lr", args.lr > 0 and math.isfinite(args.lr), "must be a positive number"),
+        ("--warmup-steps", args.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", args.weight_decay >= 0, "must be >= 0"),
+        ("--max-grad-norm", args.max_grad_norm > 0, "must be > 0"),
+        ("--keep-last", args.keep_last >= 1, "must be >= 1"),
+    ]
+    for flag, ok, message in ranges:
+        cli.check(ok, flag, f"{message}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    epochs = args.rce_epochs + args.grpo_epochs
+    cli.check(epochs >= 1, "--rce-epochs/--grpo-epochs", "together must be >= 1 epoch, got 0")
+    out = Path(args.output_dir)
+    cli.check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a folder")
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: 'auto' is cuda if available, else cpu; a malformed name or a missing GPU is a UsageError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch's message lists the device types it knows
+        raise cli.UsageError(f"--device: {e}") from e
+    cli.check(device.type != "cuda" or torch.cuda.is_available(), "--device", f"{name}: no CUDA device here")
+    return device
+
+
 def load_groups(args: Args, out: Path) -> tuple[list[dict], list[dict]]:
     """(train, validation) pre-scored samples from --data/--val-data, a held-out split, or the demo."""
-    if args.demo == (args.data is not None) or (args.demo and args.val_data):
-        raise SystemExit("pass either --data FILE [--val-data FILE] or --demo")
     if args.demo:
         train_path, val_path = write_demo(out / "demo", args.demo_size, args.seed)
         return read_scored(train_path), read_scored(val_path)
@@ -539,16 +598,45 @@ def load_groups(args: Args, out: Path) -> tuple[list[dict], list[dict]]:
     return split_validation(samples, args.val_fraction, args.seed)
 
 
-def prepare_output(args: Args) -> Path:
-    out = Path(args.output_dir)
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, an output dir that holds a run unless --overwrite."""
+    if (out / "metrics.jsonl").exists() and not overwrite:
+        raise cli.UsageError(
+            f"{out} already holds a run; pass --overwrite to replace it, or another --output-dir"
+        )
+
+
+def prepare_output(out: Path) -> None:
+    """Clear an old run (check_output allowed it); called once every input has been read and checked."""
     if (out / "metrics.jsonl").exists():
-        if not args.overwrite:
-            raise SystemExit(f"{out} already holds a run; pass --overwrite to replace it")
         (out / "metrics.jsonl").unlink()
         for stale in [*model_io.list_checkpoints(out), out / "best"]:  # or they would mix with the new run
             shutil.rmtree(stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    return out
+
+
+def load_inputs(args: Args, out: Path, device: torch.device):
+    """Model, tokenizer, image processor and the (train, validation) batches; every input is read and checked
+    here (a bad model path, scored line, image or too long prompt or completion is a UsageError)."""
+    with cli.user_errors():  # data.py's and check_scored's messages name file:line
+        train_samples, val_samples = load_groups(args, out)
+    with cli.user_errors("--dtype: "):
+        dtype = model_io.resolve_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    with cli.user_errors("--model: "):
+        model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    kw = dict(
+        batch_size=args.batch_size, adv_clip=args.adv_clip, max_completion_length=args.max_completion_length
+    )
+    with cli.user_errors():
+        data.check_samples(  # every image decodes and every prompt fits, before the first forward
+            train_samples + val_samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
+        )
+        batches, val_batches = (
+            make_batches(train_samples, tokenizer, **kw),
+            make_batches(val_samples, tokenizer, **kw),
+        )
+    return model, tokenizer, image_processor, batches, val_batches
 
 
 def with_logprobs(model, batches: list[ScoredBatch], inputs_of, field: str, *, adapters: bool) -> list:
@@ -591,22 +679,12 @@ def run_grpo(model, batches, inputs_of, finish, args: Args) -> None:
 
 
 def main(args: Args) -> dict:
-    device = torch.device(
-        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    out, t_start = prepare_output(args), time.time()
-    torch.manual_seed(args.seed)
-    dtype = model_io.resolve_dtype(args.dtype, device)
-    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
-    train_samples, val_samples = load_groups(args, out)
+    check_args(args)
+    device, out, t_start = resolve_device(args.device), Path(args.output_dir), time.time()
+    check_output(out, args.overwrite)
+    model, tokenizer, image_processor, batches, val_batches = load_inputs(args, out, device)
+    prepare_output(out)
     lora.inject_lora(model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha)
-    kw = dict(
-        batch_size=args.batch_size, adv_clip=args.adv_clip, max_completion_length=args.max_completion_length
-    )
-    batches, val_batches = (
-        make_batches(train_samples, tokenizer, **kw),
-        make_batches(val_samples, tokenizer, **kw),
-    )
     inputs_of = functools.partial(
         batch_inputs,
         tokenizer=tokenizer,
@@ -614,7 +692,8 @@ def main(args: Args) -> dict:
         device=device,
         max_prompt_length=args.max_prompt_length,
     )
-    print(f"{len(train_samples)} training and {len(val_samples)} validation groups; {len(batches)} batches")
+    n_train, n_val = (sum(len(b.samples) for b in bs) for bs in (batches, val_batches))
+    print(f"{n_train} training and {n_val} validation groups; {len(batches)} batches")
 
     # Reference log-probs (adapters off), once and frozen; with LoRA B = 0 they equal the initial policy's.
     val_batches = with_logprobs(model, val_batches, inputs_of, "ref_logp", adapters=False)
@@ -649,5 +728,4 @@ def summarise(out: Path, seconds: float) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
-    sys.exit(0)
+    cli.run(main, tyro.cli(Args))

@@ -6,6 +6,7 @@ samples, placeholder runs against the grid arithmetic written out by hand, and t
 through `grpo.completion_logprobs` on the embedded tiny Qwen2.5-VL.
 """
 
+import copy
 import json
 import random
 import re
@@ -261,6 +262,55 @@ def test_prompt_longer_than_max_prompt_length_raises_naming_the_sample(tiny):
         data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P - 1)
 
 
+# --- images above the image processor's pixel budget --------------------------------------------------------
+
+
+def test_check_samples_counts_the_images_the_processor_shrinks_and_names_the_largest(tiny):
+    _, tok, ip = tiny
+    budget = data.image_pixel_budget(ip)
+    assert budget == 112 * 112  # the tiny asset's budget, small enough for small test images
+    sizes = [(56, 56), (112, 112), (113, 112), (300, 200), (150, 150)]
+    samples = [
+        {"id": f"s{i}", "images": [solid(w, h, (9, 9, 9))], "prompt": "p"} for i, (w, h) in enumerate(sizes)
+    ]
+    report = data.check_samples(samples, tok, ip, max_prompt_length=None)
+    assert report == data.ResizeReport(count=3, largest=(300, 200))  # at the budget exactly is no resize
+    # Independent reference: the processor's own output covers fewer pixels exactly for the counted ones.
+    grid = data.prepare_prompts(samples, tok, ip, device="cpu").inputs["image_grid_thw"]  # (images, 3)
+    kept = (grid[:, 1] * grid[:, 2] * ip.patch_size**2).tolist()
+    assert [k < w * h for k, (w, h) in zip(kept, sizes)] == [False, False, True, True, True]
+    # The prompt-length bound still counts the resized images' tokens exactly.
+    P = data.prepare_prompts(samples[3:4], tok, ip, device="cpu").prompt_length
+    data.check_samples(samples[3:4], tok, ip, max_prompt_length=P)
+    with pytest.raises(ValueError, match=rf"sample s3: prompt is {P} tokens"):
+        data.check_samples(samples[3:4], tok, ip, max_prompt_length=P - 1)
+
+
+def test_the_budget_reported_is_the_one_the_processor_resizes_by(tiny):
+    _, tok, ip = tiny
+    small = copy.deepcopy(ip)
+    small.size["longest_edge"] = 56 * 56
+    assert data.image_pixel_budget(small) == 56 * 56
+    sample = {"id": "a", "images": [solid(112, 112, (9, 9, 9))], "prompt": "p"}
+    assert data.check_samples([sample], tok, ip, max_prompt_length=None).count == 0
+    assert data.check_samples([sample], tok, small, max_prompt_length=None).count == 1
+    (grid,) = data.prepare_prompts([sample], tok, small, device="cpu").inputs["image_grid_thw"].tolist()
+    assert grid[1] * grid[2] * small.patch_size**2 <= 56 * 56  # what the processor really did
+
+
+def test_describe_resizes_says_how_many_images_shrink_and_the_largest():
+    budget = 12_845_056  # Qwen2.5-VL's default max_pixels
+    assert data.describe_resizes(data.ResizeReport(count=0, largest=None), budget) is None
+    assert data.describe_resizes(data.ResizeReport(count=3, largest=(6000, 6000)), budget) == (
+        "3 images are larger than the image processor's budget (12,845,056 pixels) and are resized down "
+        "to fit it; the largest is 6000x6000"
+    )
+    assert data.describe_resizes(data.ResizeReport(count=1, largest=(4000, 3500)), budget) == (
+        "1 image is larger than the image processor's budget (12,845,056 pixels) and is resized down to fit "
+        "it: 4000x3500"
+    )
+
+
 # --- JSONL --------------------------------------------------------------------------------------------------
 
 
@@ -319,6 +369,55 @@ def test_unreadable_image_raises_naming_file_and_line(tiny, tmp_path, content, m
     samples = data.read_jsonl(path)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: image .*bad\.png {message}"):
         data.prepare_prompts(samples, tok, ip, device="cpu")
+
+
+# Each line with the 1-based column of the character at fault, counted by hand, and the hint expected.
+JSON_MISTAKES = [
+    # "x" closes at column 26, its comma is column 27; json notices only the '}' at column 28.
+    ('{"id": "a1", "prompt": "x",}', 27, "a trailing comma before '}'"),
+    # 26 characters, then the line ends where a ',' or '}' should follow: column 27.
+    ('{"id": "a1", "prompt": "x"', 27, "a missing '}'"),
+    # The key's opening quote is the second character.
+    ('{\'id\': "a1", "prompt": "x"}', 2, "JSON needs double quotes"),
+    # Cut inside a key: the unterminated string opens at column 14.
+    ('{"id": "a1", "pro', 14, "the line ends inside this string"),
+]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
+@pytest.mark.parametrize(
+    ("line", "column", "hint"), JSON_MISTAKES, ids=["trailing-comma", "no-brace", "single-quotes", "cut"]
+)
+def test_invalid_json_points_at_the_real_column_with_a_caret_and_a_hint(
+    tmp_path, newline, line, column, hint
+):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(newline.join([GOOD, "", line, GOOD]).encode() + newline.encode())
+    with pytest.raises(ValueError) as raised:
+        data.read_jsonl(path)
+    first, excerpt, caret = str(raised.value).split("\n")
+    assert re.match(rf"{re.escape(str(path))}:3: invalid JSON at column {column}: .*{re.escape(hint)}", first)
+    assert excerpt == "    " + line
+    assert caret == " " * (4 + column - 1) + "^"
+
+
+def test_a_long_line_is_shown_around_the_fault_with_the_caret_under_it(tmp_path):
+    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'  # wide characters take two terminal cells each
+    path = tmp_path / "data.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(ValueError) as raised:
+        data.read_jsonl(path)
+    first, excerpt, caret = str(raised.value).split("\n")
+    assert f":1: invalid JSON at column {len(line) - 1}: " in first  # the comma before the last '}'
+    assert excerpt.startswith("    ...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 120
+    cells = sum(2 if ch == "图" else 1 for ch in excerpt[: excerpt.rindex(",")])
+    assert caret == " " * cells + "^"
+
+
+def test_a_byte_order_mark_at_the_start_of_a_jsonl_file_is_not_part_of_the_json(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")
+    assert [s["id"] for s in data.read_jsonl(path)] == ["ok"]
 
 
 def test_empty_or_missing_dataset_raises_naming_the_file(tmp_path):

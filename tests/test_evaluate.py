@@ -16,6 +16,7 @@ import pytest
 import torch
 import tyro
 
+import cli
 import lora
 import model_io
 import rewards
@@ -97,7 +98,7 @@ def test_pass_at_k_is_any_of_k_sampled_completions_correct(tmp_path):
     assert summary["pass@2"] == pytest.approx(sum(r["pass_at_k"] for r in lines) / 4)
     assert summary["accuracy"] == pytest.approx(sum(c for r in lines for c in r["correct"]) / 8)
     assert summary["format_valid"] == pytest.approx(sum(v for r in lines for v in r["format_valid"]) / 8)
-    with pytest.raises(SystemExit, match="other settings"):  # greedy into the sampled run's file
+    with pytest.raises(cli.UsageError, match="other settings"):  # greedy into the sampled run's file
         evaluate.main(small_args(out, eval_size=4))
 
 

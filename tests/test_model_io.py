@@ -3,6 +3,7 @@ identically, checkpoints are atomic and restore RNG exactly; plus the project-wi
 
 import ast
 import copy
+import json
 import random
 import socket
 import sys
@@ -158,9 +159,15 @@ def write_adapter_file(folder: Path) -> None:
     (folder / "adapter_model.safetensors").write_bytes(b"weights")
 
 
-def save(run: Path, step: int, keep_last: int | None = None, write_adapter=write_adapter_file) -> Path:
+def save(
+    run: Path, step: int, keep_last: int | None = None, write_adapter=write_adapter_file, run_id=None
+) -> Path:
     return model_io.save_checkpoint(
-        run / f"checkpoint-{step}", write_adapter=write_adapter, state={"step": step}, keep_last=keep_last
+        run / f"checkpoint-{step}",
+        write_adapter=write_adapter,
+        state={"step": step},
+        keep_last=keep_last,
+        run_id=run_id,
     )
 
 
@@ -210,6 +217,28 @@ def test_keep_last_prunes_older_checkpoints_in_numeric_order(tmp_path):
         save(tmp_path, step, keep_last=2)
     assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-11"]
+
+
+def test_keep_last_with_a_run_id_prunes_only_that_runs_older_checkpoints(tmp_path):
+    save(tmp_path, 1, run_id="run-a")
+    save(tmp_path, 2, run_id="run-a")
+    save(tmp_path, 3, run_id="run-b")
+    save(tmp_path, 4, run_id="run-b")
+    save(tmp_path, 5)  # written without a run id: nobody's to prune
+    save(tmp_path, 6, keep_last=1, run_id="run-a")
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (3, 4, 5, 6)]
+    assert [model_io.checkpoint_run_id(tmp_path / f"checkpoint-{s}") for s in (3, 4, 5, 6)] == [
+        "run-b",
+        "run-b",
+        None,
+        "run-a",
+    ]
+    assert json.loads((tmp_path / "checkpoint-6" / "checkpoint.json").read_text()) == {
+        "run_id": "run-a",
+        "step": 6,
+    }
+    save(tmp_path, 7, keep_last=1, run_id="run-b")
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (5, 6, 7)]
 
 
 def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
+import cli
 import grpo
 import lora
 import model_io
@@ -391,7 +392,7 @@ def test_an_output_dir_holding_another_run_is_refused_unless_resume_or_overwrite
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     before = tree_digest(run)
-    with pytest.raises(SystemExit, match="already holds a run"):
+    with pytest.raises(cli.UsageError, match="already holds a run"):
         train.main(small_args(run, steps=1))
     assert tree_digest(run) == before
 

@@ -20,6 +20,7 @@ import torch
 from conftest import make_run
 from PIL import Image
 
+import cli
 import data
 import grpo
 import lora
@@ -452,7 +453,7 @@ def test_main_writes_checkpoints_a_peft_adapter_and_png_curves(finished_run):
 def test_second_run_into_the_same_output_dir_refuses_and_leaves_metrics_untouched(finished_run):
     out, _ = finished_run
     before = (out / "metrics.jsonl").read_bytes()
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError, match="already holds a run"):
         train.main(small_args(out, steps=1))
     assert (out / "metrics.jsonl").read_bytes() == before
 

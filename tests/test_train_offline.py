@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import cli
 import data
 import grpo
 import lora
@@ -260,5 +261,5 @@ def test_demo_flag_runs_and_keeps_best_by_kl(tmp_path):
     expected = best_epoch("kl", [r["val/kl"] for r in records[1:]])
     assert model_io.load_checkpoint(out / "best")["epoch"] == expected
     assert data.read_jsonl(out / "demo" / "train.jsonl")[0]["images"]  # the demo wrote real files
-    with pytest.raises(SystemExit, match="--overwrite"):
+    with pytest.raises(cli.UsageError, match="--overwrite"):
         offline.main(args)

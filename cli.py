@@ -1,0 +1,124 @@
+"""The command line's edges, shared by train.py and scripts/: one-line errors, exit codes, clean stops.
+
+Exit statuses (the same for every command of the project):
+    0    done
+    1    an internal error, a bug: Python's traceback is printed, as it should be
+    2    a usage or input error (a bad flag, file, data line or reward plug-in): one message that names the
+         flag or file:line:field, says what is wrong and how to fix it; no traceback. A reward plug-in that
+         raises, or returns a non-number, is reported the same way (an exception with `user_message`)
+    130  stopped by Ctrl-C or SIGTERM: after the current step and a checkpoint (the message says how to
+         continue), or before anything was written (nothing is left behind)
+
+A user's mistake is a `UsageError`; code that reads the user's input (flags, files, data, plug-ins) runs
+inside `user_errors()`, which turns the ValueError / OSError that data.py, rewards.py and model loading
+raise with their file:line messages into one. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped`
+at once while nothing needs finishing (loading, validation, the first evaluation), and into a request that
+the training loop honours after its current step once `defer()` has been called. Stdlib only.
+"""
+
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_STOPPED = 130
+
+
+class UsageError(ValueError):
+    """A mistake of the user's: printed as one line without a traceback, exit status 2. A ValueError, so a
+    caller that calls a command's `main` from Python catches it as the bad value it is."""
+
+
+class Stopped(SystemExit):
+    """A clean stop by signal (nothing half-written): printed as one line, exit status 130. A SystemExit, so
+    that even outside `run` it ends the program without a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = EXIT_STOPPED
+
+
+def check(condition: bool, flag: str, message: str) -> None:
+    """Raise UsageError('--flag: message') unless `condition` holds."""
+    if not condition:
+        raise UsageError(f"{flag}: {message}")
+
+
+@contextmanager
+def user_errors(prefix: str = "") -> Iterator[None]:
+    """Inside, the errors that bad input raises (ValueError with file:line, missing files, unreadable
+    folders, a plug-in module that fails to import) become UsageError, with `prefix` before the message."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except (ValueError, OSError, ImportError) as e:
+        message = str(e) or type(e).__name__
+        if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in message:
+            message = f"{e.filename}: {message}"
+        raise UsageError(f"{prefix}{message}") from e
+
+
+class Signals:
+    """SIGINT / SIGTERM as `Stopped` (before `defer()`) or as a request honoured after the step (after).
+
+    `requests` holds the names of the signals received while deferred. A second Ctrl-C while a request is
+    pending stops at once (KeyboardInterrupt), as usual.
+    """
+
+    def __init__(self) -> None:
+        self.deferred = False
+        self.requests: list[str] = []
+
+    def defer(self) -> None:
+        """From now on a signal lets the current step finish (work was written that must stay consistent)."""
+        self.deferred = True
+
+    def handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not self.deferred:
+            raise Stopped(f"stopped by {name} before training started; nothing was written")
+        if self.requests and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requests.append(name)
+        print(f"\n{name} received: finishing the current step, then writing a checkpoint", flush=True)
+
+
+@contextmanager
+def signals() -> Iterator[Signals]:
+    """Install the handlers for the `with` block; the previous ones come back after it (calling a command's
+    `main` from Python changes nothing global)."""
+    state = Signals()
+    previous = {sig: signal.signal(sig, state.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield state
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run(main: Callable[[Any], Any], args: Any) -> None:
+    """Call main(args) as a command: exit 0, or print the user error / clean stop and exit 2 / 130."""
+    try:
+        main(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    except Stopped as e:
+        print(f"\n{e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        sys.exit(EXIT_STOPPED)
+    except Exception as e:
+        # NOTE: a failure in the user's own code (a reward plug-in) carries `user_message` (rewards.score sets
+        # it): one line naming the reward, the sample and the plug-in's file:line. Anything else is a bug.
+        message = getattr(e, "user_message", None)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    sys.exit(0)

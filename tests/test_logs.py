@@ -1,0 +1,357 @@
+"""Tests of logs.py: JSONL trimming on resume, rollout records, the progress line, the curves PNG and the
+experiment trackers (TensorBoard for real when installed; wandb and trackio through stand-in modules)."""
+
+import ast
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import logs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- JSONL files ------------------------------------------------------------------------------------------
+
+
+def test_trim_jsonl_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "label": "通过", "loss": s / 3}, ensure_ascii=False) for s in range(6)]
+    # the crash cut the last line inside a 3-byte UTF-8 character
+    torn = json.dumps({"step": 6, "label": "通过"}, ensure_ascii=False).encode()[:-4]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + torn)
+    logs.trim_jsonl(path, last_step=3)
+    assert path.read_text(encoding="utf-8") == "\n".join(lines[:4]) + "\n"  # kept lines byte for byte
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left behind
+
+
+def test_trim_jsonl_drops_a_torn_line_even_below_the_step_and_ignores_a_missing_file(tmp_path):
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text('{"step": 1, "completion": "a"}\n{"step": 2, "compl')
+    logs.trim_jsonl(path, last_step=10)
+    assert path.read_text() == '{"step": 1, "completion": "a"}\n'
+    logs.trim_jsonl(tmp_path / "absent.jsonl", last_step=3)
+    assert not (tmp_path / "absent.jsonl").exists()
+
+
+# --- rollout records --------------------------------------------------------------------------------------
+
+
+def rollout_inputs(samples):
+    """B = 2 prompts, G = 3 completions each: N = 6 rows."""
+    return dict(
+        step=7,
+        samples=samples,
+        texts=[f"text {i}" for i in range(6)],
+        components={"accuracy": [1.0, 0.0, 1.0, 0.0, 0.0, 0.0], "format": [1, 1, 0.5, 1, 1, 1]},
+        reward=[2.0, 1.0, 1.5, 1.0, 1.0, 1.0],
+        adv=[0.1 + 0.2, -1 / 3, 1 / 7, 0.0, 0.0, 0.0],
+        lengths=[5, 9, 12, 3, 3, 3],
+        truncated=[False, False, True, False, False, False],
+        group_size=3,
+    )
+
+
+def test_rollout_records_have_one_line_per_completion_with_every_field():
+    samples = [
+        {"id": "a1", "images": ["img/a1_0.png", Path("img/a1_1.png")]},
+        {"images": [Image.new("RGB", (8, 6))]},
+    ]
+    rows = logs.rollout_records(**rollout_inputs(samples))
+    assert len(rows) == 6
+    expected_keys = ["step", "sample_id", "group", "images", "completion", "rewards", "reward", "advantage"]
+    assert all(list(row) == [*expected_keys, "length", "truncated"] for row in rows)
+    assert [row["group"] for row in rows] == [0, 0, 0, 1, 1, 1]
+    assert [row["sample_id"] for row in rows] == ["a1"] * 3 + [None] * 3  # the second sample has no id
+    assert rows[0]["images"] == ["img/a1_0.png", "img/a1_1.png"]
+    assert rows[3]["images"] == ["<in-memory image 8x6>"]  # synthetic tasks hold PIL images, not paths
+    assert rows[2] == {
+        "step": 7,
+        "sample_id": "a1",
+        "group": 0,
+        "images": ["img/a1_0.png", "img/a1_1.png"],
+        "completion": "text 2",
+        "rewards": {"accuracy": 1.0, "format": 0.5},
+        "reward": 1.5,
+        "advantage": 1 / 7,
+        "length": 12,
+        "truncated": True,
+    }
+    # JSON round trip keeps every float exactly (full precision, not rounded)
+    assert json.loads(json.dumps(rows)) == rows
+    assert json.loads(json.dumps(rows[0]))["advantage"] == 0.1 + 0.2
+
+
+def test_rollout_records_accept_one_sample_per_row_and_refuse_mismatched_lengths():
+    per_prompt = [{"id": "a"}, {"id": "b"}]
+    per_row = [s for s in per_prompt for _ in range(3)]  # what train.py's Rollout.samples holds
+    assert logs.rollout_records(**rollout_inputs(per_row)) == logs.rollout_records(
+        **rollout_inputs(per_prompt)
+    )
+    with pytest.raises(ValueError, match="adv"):
+        logs.rollout_records(**{**rollout_inputs(per_prompt), "adv": [0.0] * 5})
+    with pytest.raises(ValueError, match="samples"):
+        logs.rollout_records(**rollout_inputs(per_prompt[:1]))
+
+
+# --- progress ---------------------------------------------------------------------------------------------
+
+
+def test_format_duration_reads_like_a_clock():
+    assert [logs.format_duration(s) for s in (0, 45, 59.6, 126, 3725, 90000)] == [
+        "0s",
+        "45s",
+        "1m00s",
+        "2m06s",
+        "1h02m",
+        "25h00m",
+    ]
+    assert logs.format_duration(float("nan")) == "?"
+    assert logs.format_duration(-1) == "?"
+
+
+def test_progress_line_shows_kl_and_accuracy_only_when_known():
+    record = {"step": 40, "reward/mean": 1.2344, "kl": 0.01234, "skipped": "", "frac_zero_std_groups": 0.25}
+    line = logs.progress_line(40, 100, record, seconds_per_step=2.1, eta_seconds=126, accuracy=0.76)
+    assert line == "step  40/100  reward 1.234  kl 0.0123  acc 0.760  2.1 s/step  ETA 2m06s"
+    no_kl = {k: v for k, v in record.items() if k != "kl"}
+    line = logs.progress_line(3, 100, no_kl, seconds_per_step=0.25, eta_seconds=24.25, accuracy=None)
+    assert line == "step   3/100  reward 1.234  0.25 s/step  ETA 24s"
+
+
+def test_progress_line_flags_skipped_steps_and_steps_without_signal():
+    record = {"step": 5, "reward/mean": 0.0, "skipped": "non-finite loss", "frac_zero_std_groups": 1.0}
+    line = logs.progress_line(5, 10, record, seconds_per_step=1.0, eta_seconds=5, accuracy=None)
+    assert line.endswith(
+        "ETA 5s  SKIPPED (non-finite loss)  no learning signal (every group's rewards equal)"
+    )
+
+
+def test_progress_redraws_only_on_a_terminal(capsys):
+    logs.print_progress("step 1/2", tty=True)
+    logs.print_progress("step 2/2", tty=True)
+    assert capsys.readouterr().out == "\rstep 1/2\x1b[K\rstep 2/2\x1b[K"  # in place, no newline
+    logs.print_progress("step 1/2", tty=False)
+    logs.print_progress("step 2/2", tty=False)
+    assert capsys.readouterr().out == "step 1/2\nstep 2/2\n"  # one plain line each in a log file
+
+
+# --- curves -----------------------------------------------------------------------------------------------
+
+
+def realistic_records(steps=100, eval_every=25):
+    """Noisy reward around 1.2, KL rising from 0 to 0.03, an evaluation at step 0 and every eval_every."""
+    rng = np.random.default_rng(0)
+    records = [{"step": 0, "eval/accuracy": 0.4, "eval/reward": 0.5}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "reward/mean": 1.2 + rng.normal(0, 0.15), "kl": 0.03 * s / steps, "skipped": ""}
+        if s % eval_every == 0:
+            r["eval/accuracy"] = 0.4 + 0.3 * s / steps
+        records.append(r)
+    skipped = records[min(63, steps)]
+    skipped.update(skipped="non-finite loss", loss=float("nan"))
+    return records
+
+
+def blobs(mask: np.ndarray) -> int:
+    """Connected regions (4-neighbour) of True pixels."""
+    seen, count = np.zeros_like(mask), 0
+    for start in zip(*np.nonzero(mask)):
+        if seen[start]:
+            continue
+        count += 1
+        stack = [start]
+        seen[start] = True
+        while stack:
+            y, x = stack.pop()
+            for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+    return count
+
+
+def has_colour(pixels: np.ndarray, colour: tuple) -> np.ndarray:
+    return (pixels == np.array(colour, dtype=np.uint8)).all(axis=-1)
+
+
+def blank_border(pixels: np.ndarray, width: int = 4) -> bool:
+    """Nothing drawn within `width` pixels of the image's edge: no label or line was clipped."""
+    edges = [pixels[:width], pixels[-width:], pixels[:, :width], pixels[:, -width:]]
+    return all((edge == 255).all() for edge in edges)
+
+
+def test_curves_png_has_margins_and_marks_evaluations(tmp_path):
+    path = tmp_path / "curves.png"
+    logs.plot_curves(realistic_records(), path)
+    image = Image.open(path)
+    assert image.size == (logs.WIDTH, 3 * logs.PANEL_HEIGHT)
+    pixels = np.asarray(image.convert("RGB"))
+    assert blank_border(pixels)
+    panels = [pixels[p * logs.PANEL_HEIGHT : (p + 1) * logs.PANEL_HEIGHT] for p in range(3)]
+    assert blobs(has_colour(panels[1], logs.EVAL_DOT)) == 5  # steps 0, 25, 50, 75, 100
+    assert not has_colour(panels[0], logs.EVAL_DOT).any() and not has_colour(panels[2], logs.EVAL_DOT).any()
+    # the evaluation steps are marked on the reward and KL panels, the skipped step on the reward panel
+    assert has_colour(panels[0], logs.EVAL_MARK).any() and has_colour(panels[2], logs.EVAL_MARK).any()
+    assert has_colour(panels[0], logs.SKIP_MARK).any() and not has_colour(panels[2], logs.SKIP_MARK).any()
+    # the raw reward thin and light, the moving average on top of it spans fewer rows (it is smoother)
+    plot = panels[0][60 : logs.PANEL_HEIGHT - 50]  # below the legend, above the step ticks
+    raw_rows, smooth_rows = (np.nonzero(has_colour(plot, c).any(axis=1))[0] for c in (logs.RAW, logs.SMOOTH))
+    assert np.ptp(smooth_rows) < 0.7 * np.ptp(raw_rows)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [{"step": 1, "reward/mean": 1234.5678, "kl": 0.0}],  # one step
+        [{"step": s, "reward/mean": 1.0} for s in range(1, 41)],  # constant reward, no KL, no evaluation
+        [{"step": s, "reward/mean": -1234.5678 + 61.7 * s, "kl": -1e-3 * s} for s in range(1, 42)],
+        [{"step": 0, "eval/accuracy": 1.0}],  # only the evaluation before training
+        [],
+    ],
+    ids=["one-step", "constant-no-kl-no-eval", "large-and-negative", "eval-only", "empty"],
+)
+def test_curves_png_of_edge_cases_opens_without_clipping(tmp_path, records):
+    logs.plot_curves(records, tmp_path / "curves.png")
+    pixels = np.asarray(Image.open(tmp_path / "curves.png").convert("RGB"))
+    assert pixels.shape == (3 * logs.PANEL_HEIGHT, logs.WIDTH, 3)
+    assert blank_border(pixels)
+    has_eval = any("eval/accuracy" in r for r in records)
+    assert has_colour(pixels, logs.EVAL_DOT).any() == has_eval
+
+
+def test_axis_ticks_are_round_and_cover_the_data():
+    steps = logs.nice_axis(1, 100, integer=True, widen=False)
+    assert steps.ticks == [0, 25, 50, 75, 100] and (steps.lo, steps.hi) == (0, 100)
+    assert logs.nice_axis(1, 41, integer=True, widen=False).hi == 41  # no empty stretch after the last step
+    reward = logs.y_axis([1.02, 1.87, 1.3], bounds=None)
+    assert reward.labels == ["1.00", "1.25", "1.50", "1.75", "2.00"]
+    assert reward.lo <= 1.02 and reward.hi >= 1.87
+    around_zero = logs.y_axis([-0.5, 0.0001], bounds=None).labels
+    assert "0.0" in around_zero and "-0.0" not in around_zero
+    accuracy = logs.y_axis([1.0, 1.0], bounds=(0.0, 1.0))
+    assert accuracy.hi == 1.0 and accuracy.lo < 1.0
+    assert logs.y_axis([0.0], bounds=None).lo == 0.0  # a constant non-negative series stays above 0
+
+
+# --- trackers ---------------------------------------------------------------------------------------------
+
+
+def test_report_to_none_gives_no_tracker(tmp_path):
+    assert logs.open_tracker("none", tmp_path, {"lr": 1e-5}) is None
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["wandb", "trackio", "tensorboard"])
+def test_missing_tracker_package_names_the_flag_and_the_pip_command(tmp_path, monkeypatch, kind):
+    monkeypatch.setitem(sys.modules, kind, None)  # makes `import kind` fail as if not installed
+    message = f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind}"
+    with pytest.raises(ImportError) as error:
+        logs.open_tracker(kind, tmp_path, {})
+    assert str(error.value) == message
+
+
+ROWS = logs.rollout_records(**rollout_inputs([{"id": "a1"}, {"id": "b|2"}]))
+ROWS[1]["completion"] = "line one\nline | two"
+
+
+def test_tensorboard_events_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="TensorBoard is optional (pip install tensorboard)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = logs.open_tracker("tensorboard", tmp_path, {"lr": 1e-5, "output_dir": Path("runs/x")})
+    records = realistic_records(steps=10, eval_every=5)
+    for record in records[1:]:
+        tracker.log(record, record["step"])
+    tracker.log_completions(ROWS[:3], step=5)
+    tracker.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"reward/mean", "kl", "eval/accuracy"} <= set(scalars)
+    assert "skipped" not in scalars and "step" not in scalars  # strings and the x axis are not scalars
+    assert "loss" not in scalars  # its only value, the skipped step's, is NaN
+    got = [(e.step, e.value) for e in events.Scalars("reward/mean")]
+    assert [s for s, _ in got] == list(range(1, 11))
+    assert np.allclose([v for _, v in got], [r["reward/mean"] for r in records[1:]])  # float32 in the file
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/accuracy")] == [(5, 0.55), (10, 0.7)]
+    assert not any(math.isnan(e.value) for e in events.Scalars("reward/mean"))
+
+    def text(tag):
+        (event,) = events.Tensors(tag)
+        return event.step, event.tensor_proto.string_val[0].decode()
+
+    step, table = text("completions/text_summary")
+    assert step == 5
+    assert "| step | sample_id | group | reward | advantage | rewards | completion |" in table
+    assert "line one<br>line \\| two" in table  # the completion's newline and pipe do not break the table
+    assert "accuracy 0, format 1" in table
+    assert '"lr": 1e-05' in text("config/text_summary")[1]
+
+
+def fake_tracker_module(name: str, calls: list) -> types.ModuleType:
+    """A stand-in for wandb / trackio that records the calls logs.py makes (the real packages are not
+    installed in CI, and would contact a server or write outside the test's directory)."""
+    module = types.ModuleType(name)
+    module.init = lambda **kwargs: calls.append(("init", kwargs))
+    module.log = lambda metrics, step=None: calls.append(("log", metrics, step))
+    module.finish = lambda: calls.append(("finish",))
+    module.Table = lambda columns, data: ("table", columns, data)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["wandb", "trackio"])
+def test_wandb_and_trackio_receive_config_numeric_metrics_and_a_completions_table(
+    tmp_path, monkeypatch, kind
+):
+    calls = []
+    monkeypatch.setitem(sys.modules, kind, fake_tracker_module(kind, calls))
+    tracker = logs.open_tracker(kind, tmp_path / "run", {"lr": 1e-5}, run_name="run")
+    tracker.log({"step": 3, "loss": float("nan"), "kl": 0.5, "skipped": "non-finite loss", "lr": 1e-5}, 3)
+    tracker.log_completions(ROWS[:2], 3)
+    tracker.close()
+    init = {"project": "grpo-vlm", "config": {"lr": 1e-5}, "name": "run"}
+    if kind == "wandb":
+        init["dir"] = str(tmp_path / "run")
+    assert calls[0] == ("init", init)
+    assert calls[1] == ("log", {"kl": 0.5, "lr": 1e-5}, 3)  # no NaN, no strings, no "step"
+    _, logged, step = calls[2]
+    assert step == 3
+    _, columns, data = logged["completions"]
+    assert columns == ["step", "sample_id", "group", "reward", "advantage", "rewards", "completion"]
+    assert data[0] == [7, "a1", 0, 2.0, 0.1 + 0.2, "accuracy 1, format 1", "text 0"]
+    assert calls[3] == ("finish",)
+
+
+# --- imports ----------------------------------------------------------------------------------------------
+
+
+def test_logs_imports_no_project_module_and_no_tracker_at_import_time():
+    tree = ast.parse((ROOT / "logs.py").read_text(encoding="utf-8"))
+    project = {p.stem for p in ROOT.glob("*.py")}
+    everywhere, top_level = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            everywhere |= {n.split(".")[0] for n in names}
+            if node in tree.body:
+                top_level |= {n.split(".")[0] for n in names}
+    assert not everywhere & project
+    assert top_level - set(sys.stdlib_module_names) <= {"torch", "PIL", "numpy"}
+
+
+def test_trackio_without_a_table_class_gets_the_completions_as_markdown(tmp_path, monkeypatch):
+    calls = []
+    module = fake_tracker_module("trackio", calls)
+    del module.Table
+    monkeypatch.setitem(sys.modules, "trackio", module)
+    logs.open_tracker("trackio", tmp_path, {}).log_completions(ROWS[:1], 4)
+    _, logged, step = calls[-1]
+    assert step == 4 and logged["completions"].startswith("| step | sample_id |")
