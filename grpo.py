@@ -34,6 +34,18 @@ Choices, where the literature differs:
   it are padding and get exactly zero gradient.
 - Truncated completions (no EOS within max_new_tokens) keep all their tokens in the loss. DAPO's overlong
   filtering would mask them; a caller who wants that can zero their mask using `truncated`.
+- Objective (`policy_term`): PPO's clip (DeepSeekMath, DAPO), CISPO's truncated detached ratio on logp
+  (MiniMax-M1: clipped tokens keep a gradient), or SAPO's smooth sigmoid gate (Qwen); `delta` adds
+  INTELLECT-2's upper cap for negative advantages. Off by default: the plain clip.
+- Importance ratio per token (GRPO) or per sequence, the exp of the mean token log-ratio (GSPO: one
+  decision per completion, as the reward is one per completion).
+- Tokens trained: all unmasked ones, or only the top-entropy share (`high_entropy_mask`, the "80/20" paper);
+  the KL and the normaliser still count every token (as TRL).
+- KL: plain k3 (DeepSeekMath), or k3 times the ratio (`kl_bias_correction`, DeepSeek-V3.2, TRL's default):
+  the latter is unbiased when tokens come from an older policy; the figures here use the plain one.
+- Baseline (`group_advantages`): the group's mean (GRPO), the mean of the others (RLOO), or the batch's
+  (REINFORCE++). Several rewards: summed, then normalised (default), or each normalised within its group
+  first (`normalized_reward_sum`, GDPO), so a reward that is constant in a group adds nothing there.
 - logp is the full temperature-scaled softmax, although top_p < 1 and suppressed tokens make the sampler
   draw from a truncated one (the standard choice, as in TRL): ratio and KL compare like with like.
 - old_logp: with one optimiser step per rollout (mu = 1), logp.detach() (ratio == 1: REINFORCE with the
@@ -46,8 +58,10 @@ from collections.abc import Sequence
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 ADVANTAGE_SCALES = ("group", "batch", "none")
+ADVANTAGE_BASELINES = ("group", "rloo", "batch")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 # The keys a prompt batch may carry. Anything else is an error rather than silently dropped: the recompute
 # must see exactly what generation saw.
@@ -70,12 +84,15 @@ def group_advantages(
     scale: str = "group",
     eps: float = 1e-4,
     clip: float | None = None,
+    baseline: str = "group",
 ) -> torch.Tensor:
-    """Advantages (N,) = (r - mean of the row's group) / (std + eps), optionally clipped to [-clip, clip].
+    """Advantages (N,) = (r - baseline) / (std + eps), optionally clipped to [-clip, clip].
 
-    scale: "group" divides by the group's unbiased std (G - 1, like TRL), "batch" by the std of all N
-    rewards, "none" not at all (Dr. GRPO).
-    NOTE: a zero-variance group (every completion scored the same) has advantage exactly 0, never NaN.
+    baseline: "group" the mean of the row's group (GRPO); "rloo" the mean of the G - 1 others (RLOO, Ahmadian
+    et al. 2024: G / (G - 1) times the group-centred reward); "batch" the mean of all N rewards (REINFORCE++,
+    Hu 2025, with scale="batch"). scale: "group" divides by the group's unbiased std (G - 1, like TRL),
+    "batch" by the std of all N rewards, "none" not at all (Dr. GRPO).
+    NOTE: a zero-variance group has advantage exactly 0, never NaN, under the group baselines.
     """
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 to have a group baseline, got {group_size}")
@@ -83,21 +100,40 @@ def group_advantages(
         raise ValueError(
             f"rewards must be (N,) with N divisible by group_size={group_size}, got {rewards.shape}"
         )
-    if scale not in ADVANTAGE_SCALES:
-        raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if scale not in ADVANTAGE_SCALES or baseline not in ADVANTAGE_BASELINES:
+        raise ValueError(f"need scale in {ADVANTAGE_SCALES} and baseline in {ADVANTAGE_BASELINES}")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite: a NaN would spread to the whole group's advantages")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     grouped = rewards.view(-1, group_size)  # (B, G)
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
-    # The mean of equal floats need not round back to them exactly; force the zero the math promises.
-    centered = torch.where(_zero_std_groups(rewards, group_size)[:, None], 0.0, centered)  # (B, G)
+    if baseline == "batch":
+        centered = grouped - rewards.mean()  # (B, G)
+    else:
+        centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
+        # The mean of equal floats need not round back to them exactly; force the zero the math promises.
+        centered = torch.where(_zero_std_groups(rewards, group_size)[:, None], 0.0, centered)
+        if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
+            centered = centered * (group_size / (group_size - 1))
     if scale == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G) / (B, 1)
     elif scale == "batch":
         centered = centered / (rewards.std() + eps)
     adv = centered.reshape(-1)  # (N,) back to row order
     return adv if clip is None else adv.clamp(-clip, clip)
+
+
+def normalized_reward_sum(
+    components: torch.Tensor, weights: torch.Tensor, group_size: int, *, eps: float = 1e-4
+) -> torch.Tensor:
+    """GDPO's "normalize then sum" (TRL's normalize_then_sum): each reward z-scored within its group, then
+    the weighted sum (N,), from components (N, K) and weights (K,). A reward that is constant in a group adds
+    0 there, so a binary format reward cannot drown the correctness signal of another."""
+    grouped = components.to(torch.promote_types(components.dtype, torch.float32))
+    grouped = grouped.view(-1, group_size, components.shape[1])  # (B, G, K)
+    z = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G, K)
+    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B, 1, K) exactly 0 there, never NaN
+    z = torch.where(constant, 0.0, z)
+    return (z.reshape(components.shape) * weights.to(z.dtype)).sum(dim=1)  # (N,)
 
 
 # --- the loss -----------------------------------------------------------------------------------------------
@@ -127,6 +163,7 @@ def aggregate(
         "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
         "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
         "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
+    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do).
 
     A caller that splits a batch into micro-batches (or ranks) passes the whole batch's num_rows and
     num_tokens, so the chunks' losses sum to the unchunked one; train.py passes the global count for both.
@@ -136,7 +173,7 @@ def aggregate(
     mask = mask.bool()
     per_token = torch.where(mask, per_token, 0.0)  # (N, T) `where`, not a product: inf * 0 would be NaN
     num_rows = mask.shape[0] if num_rows is None else num_rows
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         # clamp: a zero-length row (only when T == 0) would be 0 / 0; real completions have length >= 1.
         lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
         return (per_token.sum(dim=1) / lengths).sum() / num_rows
@@ -146,6 +183,53 @@ def aggregate(
         return per_token.sum() / (num_rows * max_completion_length)
     num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
     return per_token.sum() / num_tokens
+
+
+def policy_term(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    logp: torch.Tensor,
+    *,
+    loss_type: str,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+) -> torch.Tensor:
+    """The per-token policy loss of each objective, from the importance ratio r (N, T) or (N, 1), adv (N, 1)
+    and logp (N, T); minimised. One screen to diff them (gradients at r = 1 are all -A grad logp):
+
+        PPO / GRPO / DAPO / Dr. GRPO  -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)      clip: no gradient
+          two-sided (INTELLECT-2)     -min(min(r, delta) A, clip(r, ...) A)                caps r when A < 0
+        CISPO (MiniMax-M1, 2025)      -sg(min(r, 1 + eps_high)) A logp                     clipped still learn
+        SAPO (Qwen, 2025)             -sigmoid(tau (r - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg
+    """
+    if loss_type == "cispo":
+        # REINFORCE weighted by the truncated, detached ratio: a clipped token keeps its gradient (scaled),
+        # where PPO's clip drops it. NOTE: TRL reads epsilon_high as the bound itself (5.0 recommended): ours
+        # is 1 + clip_eps_high, so TRL's 5.0 is clip_eps_high = 4.0 here.
+        return -torch.clamp(ratio, max=1 + clip_eps_high).detach() * adv * logp
+    if loss_type == "sapo":
+        # A smooth gate in place of the hard clip; steeper (smaller trust region) for negative advantages.
+        tau = torch.where(adv > 0, adv.new_tensor(sapo_temperature_pos), adv.new_tensor(sapo_temperature_neg))
+        return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    clipped_ratio = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
+    if delta is not None:  # NOTE: for A < 0 the plain min keeps r unbounded above; delta caps it
+        ratio = torch.clamp(ratio, max=delta)
+    # The pessimistic bound: the clip only takes effect when it lowers the objective (PPO).
+    return -torch.minimum(ratio * adv, clipped_ratio * adv)
+
+
+def high_entropy_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *, pool: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(N, T) bool: the unmasked tokens whose entropy is in the top `quantile` of the batch's (Wang et al.
+    2025, "Beyond the 80/20 rule": the few high-entropy "forking" tokens carry the learning signal).
+    `pool`: the entropies the quantile is taken over, when the batch is wider than these rows (all ranks)."""
+    pool = entropy[mask.bool()] if pool is None else pool  # the unmasked tokens only
+    threshold = torch.quantile(pool.float(), 1 - quantile)
+    return (entropy >= threshold) & mask.bool()
 
 
 def grpo_loss(
@@ -162,26 +246,43 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_rows: int | None = None,
     num_tokens: float | torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    kl_bias_correction: bool = False,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
-    ratio = exp(logp - old_logp); reduced by `aggregate`. ref_logp may be None when beta == 0. Stats (token
-    means): kl, ratio_mean, clip_frac_low / clip_frac_high (where the clip binds: adv < 0 / adv > 0).
+    """The GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
+    ratio = exp(logp - old_logp) per token, or per row exp(mean_t(logp - old_logp)) (GSPO, Zheng et al.
+    2025); `policy_term` per loss_type, reduced by `aggregate`. token_mask (N, T) keeps the policy term on
+    some tokens (`high_entropy_mask`). kl_bias_correction weights k3 by the ratio (DeepSeek-V3.2): unbiased
+    for tokens drawn from old_logp; at mu = 1 it is 1 in value but adds a gradient term.
+    Stats (token means): kl, ratio_mean, clip_frac_low / clip_frac_high (ratio past the clip: adv < 0 / > 0).
     """
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
     mask = mask.bool()
     adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
     # Mask BEFORE exp: at a masked position logp - old_logp may be huge, exp -> inf, and where's zero gradient
     # times inf is NaN. Zeroing the input keeps the gradient there exactly 0.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, T)
-    ratio = torch.exp(log_ratio)  # (N, T)
-    clipped_ratio = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)  # (N, T)
-    # The pessimistic bound: the clip only takes effect when it lowers the objective (PPO).
-    per_token = -torch.minimum(ratio * adv, clipped_ratio * adv)  # (N, T)
+    if importance_sampling_level == "sequence":  # one ratio per row, length-normalised (GSPO)
+        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
+    ratio = torch.exp(log_ratio)  # (N, T) or (N, 1)
+    options = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta)
+    options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **options).expand(mask.shape)  # (N, T)
+    if token_mask is not None:
+        per_token = torch.where(token_mask, per_token, 0.0)
     kl = None
     if ref_logp is not None:
         # Same masking-before-exp reason; both sides 0 gives k3 = 0 with zero gradient.
         kl = kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))  # (N, T)
+        if kl_bias_correction:
+            kl = kl * ratio
         if beta > 0:
             per_token = per_token + beta * kl
     loss = aggregate(
@@ -193,6 +294,7 @@ def grpo_loss(
         num_tokens=num_tokens,
     )
     with torch.no_grad():
+        ratio = ratio.expand(mask.shape)  # (N, T)
         clip_low = (ratio < 1 - clip_eps_low) & (adv < 0)  # (N, T)
         clip_high = (ratio > 1 + clip_eps_high) & (adv > 0)  # (N, T)
         values = {"clip_frac_low": clip_low.float(), "clip_frac_high": clip_high.float(), "ratio_mean": ratio}

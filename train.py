@@ -120,8 +120,25 @@ class Args:
     the first --reward."""
 
     # --- loss ---
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """Aggregation of per-token losses (see grpo.aggregate)."""
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
+    """The objective and its aggregation over tokens (grpo.policy_term, grpo.aggregate): grpo, bnpo, dr_grpo
+    and dapo are PPO-clip normalised per sequence, per process's tokens, by a constant, by the batch's tokens;
+    cispo (MiniMax-M1) weights logp by the truncated, detached ratio (bound 1 + --clip-eps-high); sapo (Qwen)
+    replaces the clip by a smooth gate (--sapo-temperature-pos/neg)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The importance ratio per token, or GSPO's per sequence (exp of the mean token log-ratio, clipped as a
+    whole; GSPO uses far smaller clip epsilons, e.g. 3e-4 / 4e-4)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): cap the ratio at delta for negative advantages too (e.g. 4.0)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages (steeper: a tighter trust region)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on the tokens whose entropy is in the top this share of the batch (0.2:
+    the "80/20" forking tokens); 1.0 trains on every token."""
+    use_bias_correction_kl: bool = False
+    """Weight the k3 KL term by the importance ratio (DeepSeek-V3.2; TRL's default is on, ours off)."""
     beta: float = 0.04
     """KL penalty weight (k3 estimator against the adapter-free reference). 0 skips the reference pass."""
     clip_eps_low: float = 0.2
@@ -132,6 +149,12 @@ class Args:
     """mu: optimizer steps per rollout batch. > 1 stores old log-probs at rollout time."""
     adv_scale: Literal["group", "batch", "none"] = "group"
     """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
+    adv_baseline: Literal["group", "rloo", "batch"] = "group"
+    """What a reward is compared with: its group's mean (GRPO), the mean of the other G - 1 (RLOO), or the
+    batch's mean (REINFORCE++, with --adv-scale batch)."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """With several rewards: advantages of the weighted sum (default), or each reward normalised within its
+    group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no --gate)."""
     kl_target_low: float | None = None
     """Adaptive KL: after each step, divide beta by --kl-adapt-factor when the measured KL is below this.
     Off unless both --kl-target-low and --kl-target-high are given."""
@@ -141,6 +164,11 @@ class Args:
     """Adaptive KL: the factor beta is multiplied or divided by."""
     adv_clip: float | None = None
     """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until B groups
+    carry a learning signal (at most --max-sampling-rounds rounds). Logs dynamic/groups_sampled and _kept."""
+    max_sampling_rounds: int = 3
+    """With --dynamic-sampling: rollout rounds per step at most (each of B prompts), the first included."""
     mask_truncated: bool = False
     """Drop completions that hit --max-new-tokens without EOS from the loss (DAPO's overlong filtering)."""
 
@@ -246,6 +274,9 @@ class Rollout:
     chunks: list[speedups.RowChunk]  # the rows as the log-prob passes take them (one chunk on the plain path)
     old_logp: torch.Tensor | None = None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
+    token_mask: torch.Tensor | None = (
+        None  # (N, T) the high-entropy tokens, only when top_entropy_quantile < 1
+    )
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
@@ -256,6 +287,8 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
         distributed.seed_rank_stream(args.seed, step, run.rank)
     prompts = batch_for_step(run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world)
     ro = rollout(run, prompts, args)  # sample -> score -> advantages, no grad
+    if args.dynamic_sampling:  # DAPO: only groups with a learning signal, topped up from more prompts
+        ro, counts = groups_with_signal(run, ro, step, args)
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
     t1 = time.time()
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
@@ -263,7 +296,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     metrics = grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size)
     if run.world > 1:
         metrics = distributed.mean_across_ranks(metrics)
-    record = {"step": step, "beta": beta, **stats, **metrics}
+    record = {"step": step, "beta": beta, **stats, **metrics, **(counts if args.dynamic_sampling else {})}
     timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
     return record, timings, ro
 
@@ -287,7 +320,7 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
 
 
 @torch.no_grad()
-def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
+def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -> Rollout:
     """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
     G, model, tokenizer = args.group_size, run.model, run.tokenizer
     batch = data.prepare_prompts(
@@ -320,7 +353,7 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     components = {
         k: torch.tensor(v, dtype=torch.float32, device=run.device) for k, v in scores.components.items()
     }
-    adv = grpo.group_advantages(reward, G, scale=args.adv_scale, clip=args.adv_clip)  # (N,)
+    adv = advantages(reward, components, run, args)  # (N,)
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
     return Rollout(
         inputs=inputs,
@@ -332,8 +365,91 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
         reward=reward,
         components=components,
         adv=adv,
-        chunks=row_chunks(run, inputs, ids, recording, args),
+        chunks=row_chunks(run, inputs, ids, recording, args) if chunks else [],
     )
+
+
+EXTRA_ROUNDS = 1_000_000  # batch indices of dynamic sampling's extra rounds start here (see batch_for_step)
+
+
+def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Rollout, dict]:
+    """DAPO's dynamic sampling (Yu et al. 2025): drop the groups whose G rewards are all equal (advantage 0,
+    no learning signal) and sample more prompts, round by round, until B groups have a signal or
+    --max-sampling-rounds rounds were drawn; then train on what there is, topped up to B with dropped groups
+    (they add only their KL term). Round r > 0 of a step takes batch index EXTRA_ROUNDS + (step - 1) *
+    (rounds - 1) + r - 1: a pure function of (step, round), so --resume stays exact with no stream to save.
+    Under torchrun every rank keeps its own B groups; the ranks draw the same number of rounds."""
+    B, G, extra = args.batch_size, args.group_size, args.max_sampling_rounds - 1
+    kept, spare, sampled, rounds = [], [], 0, 1
+    while True:
+        for g in range(len(ro.samples) // G):
+            rows = slice(g * G, (g + 1) * G)
+            (kept if bool((ro.reward[rows] != ro.reward[rows][0]).any()) else spare).append((ro, rows))
+        sampled += len(ro.samples) // G
+        if not distributed.any_rank(len(kept) < B) or rounds == args.max_sampling_rounds:
+            break
+        index = EXTRA_ROUNDS + (step - 1) * extra + rounds - 1  # a stream of its own, disjoint from the steps
+        prompts = batch_for_step(run.train_samples, index, B, args.seed, run.rank, run.world)
+        ro, rounds = rollout(run, prompts, args, chunks=False), rounds + 1
+    chosen = (kept + spare)[:B]
+    counts = {
+        "dynamic/groups_sampled": sampled,
+        "dynamic/groups_kept": min(len(kept), B),
+        "dynamic/rounds": rounds,
+    }
+    return rollout_of_groups(run, chosen, args), counts
+
+
+def rollout_of_groups(run: Run, groups: list[tuple[Rollout, slice]], args: Args) -> Rollout:
+    """One Rollout from groups of several rollouts: prompts re-padded together, completions padded to the
+    longest (masks carried over, never recomputed from padding), advantages of the kept groups."""
+    prompts = [ro.samples[rows.start] for ro, rows in groups]
+    batch = data.prepare_prompts(
+        prompts,
+        run.tokenizer,
+        run.image_processor,
+        device=run.device,
+        max_prompt_length=args.max_prompt_length,
+    )
+    T = max(ro.completion_ids.shape[1] for ro, _ in groups)
+
+    def padded(x: torch.Tensor, value) -> torch.Tensor:  # (G, T_round) -> (G, T)
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    ids = torch.cat([padded(ro.completion_ids[rows], run.tokenizer.pad_token_id) for ro, rows in groups])
+    mask = torch.cat([padded(ro.mask[rows], False) for ro, rows in groups])  # (N, T)
+    reward = torch.cat([ro.reward[rows] for ro, rows in groups])
+    components = {
+        k: torch.cat([ro.components[k][rows] for ro, rows in groups]) for k in groups[0][0].components
+    }
+    inputs = data.repeat_rows(batch, args.group_size).inputs
+    return Rollout(
+        inputs=inputs,
+        completion_ids=ids,
+        mask=mask,
+        truncated=torch.cat([ro.truncated[rows] for ro, rows in groups]),
+        texts=[text for ro, rows in groups for text in ro.texts[rows]],
+        samples=[sample for ro, rows in groups for sample in ro.samples[rows]],
+        reward=reward,
+        components=components,
+        adv=advantages(reward, components, run, args),
+        chunks=row_chunks(run, inputs, ids, None, args),
+    )
+
+
+def advantages(
+    reward: torch.Tensor, components: dict[str, torch.Tensor], run: Run, args: Args
+) -> torch.Tensor:
+    """Advantages (N,) of the weighted total reward, or GDPO's of the group-normalised rewards' sum."""
+    if args.multi_objective_aggregation == "sum_then_normalize":
+        return grpo.group_advantages(
+            reward, args.group_size, scale=args.adv_scale, clip=args.adv_clip, baseline=args.adv_baseline
+        )
+    weights = torch.tensor([r.weight for r in run.reward_fns])  # (K,)
+    summed = grpo.normalized_reward_sum(
+        torch.stack(list(components.values()), dim=1), weights, args.group_size
+    )
+    return grpo.group_advantages(summed, args.group_size, scale="batch", clip=args.adv_clip, baseline="batch")
 
 
 def row_chunks(
@@ -363,10 +479,19 @@ def chunk_logprobs(
 
 @torch.no_grad()
 def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
-    """Fill ro.old_logp (needed when mu > 1) and ro.ref_logp (beta > 0), chunk by chunk, without grad."""
+    """Fill ro.old_logp (needed when mu > 1), ro.ref_logp (beta > 0) and ro.token_mask (top_entropy_quantile
+    < 1: chosen once per rollout, from the policy that sampled it), chunk by chunk, without grad."""
     # With mu = 1 the ratio's denominator is logp.detach() itself, so old_logp is not computed.
-    if args.num_iterations > 1:
-        ro.old_logp = torch.cat([chunk_logprobs(run, chunk, args)[0] for chunk in ro.chunks])  # (N, T)
+    if args.num_iterations > 1 or args.top_entropy_quantile < 1:
+        entropy = args.top_entropy_quantile < 1
+        pairs = [chunk_logprobs(run, chunk, args, return_entropy=entropy) for chunk in ro.chunks]
+        ro.old_logp = torch.cat([logp for logp, _ in pairs]) if args.num_iterations > 1 else None  # (N, T)
+        if entropy:
+            entropy = torch.cat([h for _, h in pairs])  # (N, T)
+            pool = entropy[ro.mask]  # the quantile is over the global batch's tokens
+            if run.world > 1:
+                pool = torch.tensor(distributed.gather_lists(pool.tolist()), device=pool.device)
+            ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, args.top_entropy_quantile, pool=pool)
     if args.beta > 0:
         with lora.adapters_disabled(run.model):  # the reference policy: the same weights, no adapters
             ro.ref_logp = torch.cat([chunk_logprobs(run, chunk, args)[0] for chunk in ro.chunks])  # (N, T)
@@ -398,6 +523,12 @@ def accumulate_policy_gradient(
             max_completion_length=args.max_new_tokens,
             num_rows=num_rows,
             num_tokens=num_tokens,
+            importance_sampling_level=args.importance_sampling_level,
+            delta=args.delta,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            kl_bias_correction=args.use_bias_correction_kl,
+            token_mask=ro.token_mask[rows] if ro.token_mask is not None else None,
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
@@ -465,12 +596,21 @@ def check_args(args: Args) -> None:
         ("--max-grad-norm", args.max_grad_norm > 0, "must be > 0"),
         ("--max-bad-steps", args.max_bad_steps >= 0, "must be >= 0"),
         ("--num-iterations", args.num_iterations >= 1, "must be >= 1"),
+        ("--max-sampling-rounds", args.max_sampling_rounds >= 1, "must be >= 1"),
         ("--micro-batch-size", args.micro_batch_size is None or args.micro_batch_size >= 1, "must be >= 1"),
         ("--beta", args.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
         ("--clip-eps-low", 0 <= args.clip_eps_low < 1, "must be in [0, 1)"),
         ("--clip-eps-high", args.clip_eps_high >= 0, "must be >= 0"),
         ("--adv-clip", args.adv_clip is None or args.adv_clip > 0, "must be > 0"),
         ("--kl-adapt-factor", args.kl_adapt_factor > 1, "must be > 1"),
+        (
+            "--delta",
+            args.delta is None or args.delta > 1 + args.clip_eps_high,
+            "must be > 1 + --clip-eps-high",
+        ),
+        ("--sapo-temperature-pos", args.sapo_temperature_pos > 0, "must be > 0"),
+        ("--sapo-temperature-neg", args.sapo_temperature_neg > 0, "must be > 0"),
+        ("--top-entropy-quantile", 0 < args.top_entropy_quantile <= 1, "must be in (0, 1]"),
         ("--lora-last-k", args.lora_last_k >= 1, "must be >= 1"),
         ("--lora-r", args.lora_r >= 1, "must be >= 1"),
         ("--lora-alpha", args.lora_alpha > 0, "must be > 0"),
@@ -493,6 +633,10 @@ def check_args(args: Args) -> None:
         band[0] is None or 0 <= band[0] < band[1], "--kl-target-low", "must be >= 0 and < --kl-target-high"
     )
     cli.check(not (args.resume and args.overwrite), "--overwrite", "cannot be combined with --resume")
+    normalize_first = args.multi_objective_aggregation == "normalize_then_sum"
+    cli.check(
+        not (normalize_first and args.gate), "--gate", "has no meaning with normalize_then_sum (no total)"
+    )
     for flag, paths in (
         ("--data", args.data),
         ("--eval-data", [args.eval_data]),
