@@ -14,9 +14,14 @@ Choices and sharp edges, stated openly:
   would wrongly adapt it).
 - `inject_lora` freezes every existing parameter. With everything frozen, reentrant activation
   checkpointing (not transformers 5's default) needs `model.enable_input_require_grads()`.
-- LoRA weights take the base weight's dtype and device. In bf16, AdamW updates smaller than the bf16
-  spacing are lost (PEFT upcasts to fp32 by default); `forward` casts to the LoRA dtype, so the caller
-  may upcast `lora_parameters(model)` to fp32 in place.
+- A and B are fp32 whatever the base dtype (as PEFT's default), so AdamW's moments are fp32 too: in a
+  bf16 model, bf16 adapters would lose every update below bf16's spacing (an A entry of 0.1 cannot move by
+  less than 2**-11; at lr 2e-5 most entries of A never move). `dtype=None` keeps them in the base dtype to
+  halve their memory, at that cost.
+- The LoRA branch computes in the activation dtype: A and B are cast down (r x d_in, d_out x r, tiny), never
+  the (tokens, d_in) input up, so a bf16 forward stays on bf16 matmuls and saves no fp32 copy of each
+  adapted layer's input for backward (PEFT upcasts the input instead). The gradients reach the fp32
+  parameters through the cast; `delta_weight` (merge, unmerge) is computed in fp32 and rounded once.
 - LoRA dropout follows the wrapped layer's train/eval mode at injection and `.train()`/`.eval()` after;
   HF models load in eval mode.
 - Merging is an explicit call, never a side effect of `.train()`/`.eval()`. Merging twice, unmerging
@@ -39,6 +44,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Checked in order. transformers 5 puts every Qwen VLM's text blocks under `language_model`.
@@ -55,7 +61,16 @@ ADAPTER_CONFIG = "adapter_config.json"
 class LoRALinear(nn.Module):
     """y = base_layer(x) + B(A(dropout(x))) * alpha / r, with base_layer frozen."""
 
-    def __init__(self, base_layer: nn.Linear, *, r: int, alpha: float, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        *,
+        r: int,
+        alpha: float,
+        dropout: float = 0.0,
+        dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        """`dtype` of A and B: fp32 by default whatever the base dtype; None takes the base weight's."""
         super().__init__()
         if r < 1:
             raise ValueError(f"LoRA rank r must be >= 1, got {r}")
@@ -63,7 +78,7 @@ class LoRALinear(nn.Module):
         self.base_layer = base_layer.requires_grad_(False)
         self.r, self.alpha, self.scaling = r, float(alpha), float(alpha) / r
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        kw = {"bias": False, "device": w.device, "dtype": w.dtype}
+        kw = {"bias": False, "device": w.device, "dtype": w.dtype if dtype is None else dtype}
         self.lora_A = nn.Linear(base_layer.in_features, r, **kw)  # weight (r, d_in)
         self.lora_B = nn.Linear(r, base_layer.out_features, **kw)  # weight (d_out, r)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init for A
@@ -91,7 +106,10 @@ class LoRALinear(nn.Module):
         out = self.base_layer(x)
         if self.disabled or self.merged:  # merged: the update is already inside base_layer.weight
             return out
-        lora = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
+        # The branch runs in the activation dtype: the (r, d_in) and (d_out, r) weights are cast down, never
+        # the (tokens, d_in) activation up, and autograd casts the gradient back to the fp32 parameters.
+        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)  # no-ops when dtypes match
+        lora = F.linear(F.linear(self.dropout(x), a), b)  # (..., d_out)
         return out + (lora * self.scaling).to(out.dtype)
 
     def extra_repr(self) -> str:
@@ -147,11 +165,18 @@ def _plan(
 
 
 def _wrap(
-    model: nn.Module, plan: list[tuple[nn.Module, str, str]], *, r: int, alpha: float, dropout: float
+    model: nn.Module,
+    plan: list[tuple[nn.Module, str, str]],
+    *,
+    r: int,
+    alpha: float,
+    dropout: float,
+    dtype: torch.dtype | None,
 ) -> list[str]:
     model.requires_grad_(False)  # only the LoRA parameters, created below, are trainable
     for parent, leaf, _ in plan:
-        setattr(parent, leaf, LoRALinear(getattr(parent, leaf), r=r, alpha=alpha, dropout=dropout))
+        lin = getattr(parent, leaf)
+        setattr(parent, leaf, LoRALinear(lin, r=r, alpha=alpha, dropout=dropout, dtype=dtype))
     return [name for _, _, name in plan]
 
 
@@ -163,15 +188,20 @@ def inject_lora(
     alpha: float,
     dropout: float = 0.0,
     target_modules: tuple[str, ...] = DEFAULT_TARGETS,
+    dtype: torch.dtype | None = torch.float32,
 ) -> list[str]:
-    """Freeze all parameters, wrap the target linears of the last `last_k` decoder blocks; their names."""
+    """Freeze all parameters, wrap the target linears of the last `last_k` decoder blocks; their names.
+
+    A and B are created in `dtype` (fp32 by default, whatever the base dtype); None takes each base
+    weight's dtype, which halves their memory in bf16 but loses small AdamW updates (module docstring).
+    """
     path, blocks = find_decoder_blocks(model)
     if not 1 <= last_k <= len(blocks):
         raise ValueError(
             f"last_k must be in [1, {len(blocks)}] ({path} has {len(blocks)} blocks), got {last_k}"
         )
     plan = _plan(model, list(range(len(blocks) - last_k, len(blocks))), tuple(target_modules), r)
-    return _wrap(model, plan, r=r, alpha=alpha, dropout=dropout)
+    return _wrap(model, plan, r=r, alpha=alpha, dropout=dropout, dtype=dtype)
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -314,10 +344,14 @@ def _check_tensors(shapes: dict[str, tuple[int, ...]], tensors: dict[str, Tensor
             )
 
 
-def load_adapter(model: nn.Module, directory: str | os.PathLike) -> list[str]:
+def load_adapter(
+    model: nn.Module, directory: str | os.PathLike, *, dtype: torch.dtype | None = torch.float32
+) -> list[str]:
     """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
 
     Every check (config, keys, shapes) runs before the model is changed, so a failed load leaves it intact.
+    The saved tensors are copied into the LoRA weights' own dtype: `dtype` (as in `inject_lora`) when this
+    call injects, the existing adapters' dtype otherwise.
     """
     with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
         config = json.load(f)
@@ -346,7 +380,8 @@ def load_adapter(model: nn.Module, directory: str | os.PathLike) -> list[str]:
         shapes[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (lin.out_features, r)
     _check_tensors(shapes, tensors)
     if not modules:
-        _wrap(model, plan, r=r, alpha=alpha, dropout=float(config.get("lora_dropout", 0.0)))
+        dropout = float(config.get("lora_dropout", 0.0))
+        _wrap(model, plan, r=r, alpha=alpha, dropout=dropout, dtype=dtype)
         modules = _lora_modules(model)
     with torch.no_grad():
         for name, m in modules.items():

@@ -84,6 +84,10 @@ class Args:
     """LoRA rank."""
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is B @ A * alpha / r."""
+    lora_fp32: bool = True
+    """Keep the LoRA weights and their AdamW state in fp32 whatever --dtype (as PEFT does); the LoRA branch
+    still computes in the activation dtype. --no-lora-fp32 keeps them in the base dtype (half their memory,
+    but in bf16 the small updates of real-model learning rates round away)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch input during the gradient pass."""
 
@@ -623,6 +627,10 @@ def check_args(args: Args) -> None:
         ("--log-every", args.log_every >= 1, "must be >= 1"),
         ("--log-completions-every", args.log_completions_every >= 0, "must be >= 0 (0: never)"),
     ]
+    # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
+    # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
+    fp16 = "float16 is not supported for training (activations overflow, gradients underflow); use bfloat16"
+    ranges.append(("--dtype", args.dtype != "float16", f"{fp16} (Ampere or newer) or float32"))
     for flag, ok, message in ranges:
         cli.check(ok, flag, f"{message}, got {getattr(args, flag[2:].replace('-', '_'))}")
     band = (args.kl_target_low, args.kl_target_high)
@@ -715,7 +723,12 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     lora.inject_lora(
-        model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout
+        model,
+        last_k=args.lora_last_k,
+        r=args.lora_r,
+        alpha=args.lora_alpha,
+        dropout=args.lora_dropout,
+        dtype=torch.float32 if args.lora_fp32 else None,
     )
     parts, record_block = speedup_parts(model, args)
     if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself

@@ -129,6 +129,7 @@ BAD_FLAGS = {
     "--clip-eps-low": dict(clip_eps_low=1.5),
     "--beta": dict(beta=-0.1),
     "--temperature": dict(temperature=0.0),
+    "--dtype": dict(dtype="float16"),
     "--kl-target-low/--kl-target-high": dict(kl_target_low=0.1),
     "--data": dict(data=("missing.jsonl",), reward=("label",)),
     "--reward": dict(data=(str(ROOT / "README.md"),)),

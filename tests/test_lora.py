@@ -105,12 +105,12 @@ def test_lora_linear_computes_base_plus_scaled_low_rank_update():
     torch.testing.assert_close(layer(x), expected)
 
 
-def test_lora_parameters_follow_base_weight_dtype():
+def test_lora_parameters_are_fp32_by_default_and_follow_base_weight_dtype_with_dtype_none():
     layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0)
-    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
+    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.float32  # issue #12
     assert layer(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
-    for p in (layer.lora_A.weight, layer.lora_B.weight):  # the documented fp32 upcast for the optimizer
-        p.data = p.data.float()
+    layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0, dtype=None)
+    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
     assert layer(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
 
