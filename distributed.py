@@ -20,12 +20,19 @@ import torch.distributed as dist
 
 
 def resolve_device(name: str) -> torch.device:
-    """'auto' is cuda if available, else cpu; under torchrun (R > 1) a bare 'cuda' becomes cuda:LOCAL_RANK."""
+    """'auto' is cuda if available, else cpu; under torchrun (R > 1) a bare 'cuda' becomes cuda:LOCAL_RANK.
+    A malformed name or a CUDA device on a machine without one is a ValueError naming --device."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         name = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch's message lists the device types it knows
+        raise ValueError(f"--device: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {name}: no CUDA device here; use --device cpu")
+    return device
 
 
 def init_distributed(device: torch.device) -> tuple[int, int]:

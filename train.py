@@ -655,10 +655,6 @@ def check_args(args: Args) -> None:
     cli.check(
         bool(args.reward or not args.data), "--reward", "is required with --data (e.g. --reward label format)"
     )
-    if args.device.startswith("cuda"):
-        cli.check(
-            torch.cuda.is_available(), "--device", f"{args.device}: no CUDA device here; use --device cpu"
-        )
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
@@ -1000,7 +996,8 @@ def main(args: Args) -> dict:
     current step and a checkpoint."""
     with cli.signals() as stop:  # Ctrl-C / SIGTERM: at once during set-up, after the step during training
         check_args(args)
-        device = distributed.resolve_device(args.device)
+        with cli.user_errors():
+            device = distributed.resolve_device(args.device)
         rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates
         with cli.user_errors():

@@ -57,6 +57,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
 import data
+import distributed
 import grpo
 import lora
 import model_io
@@ -422,18 +423,6 @@ def check_args(args: Args) -> None:
         cli.check(not path.is_dir(), "--output", f"{path} is a folder; give a .jsonl file")
 
 
-def resolve_device(name: str) -> torch.device:
-    """--device: 'auto' is cuda if available, else cpu; a malformed name or a missing GPU is a UsageError."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:  # torch's message lists the device types it knows
-        raise cli.UsageError(f"--device: {e}") from e
-    cli.check(device.type != "cuda" or torch.cuda.is_available(), "--device", f"{name}: no CUDA device here")
-    return device
-
-
 def load_model(args: Args, device: torch.device):
     """(model, tokenizer, image_processor), with --adapter loaded; a path or adapter that does not fit is a
     UsageError."""
@@ -449,7 +438,8 @@ def load_model(args: Args, device: torch.device):
 
 def main(args: Args) -> dict[str, dict]:
     check_args(args)
-    device = resolve_device(args.device)
+    with cli.user_errors():
+        device = distributed.resolve_device(args.device)
     with cli.user_errors():  # data.py's messages name file:line
         samples, task = load_eval_samples(args)
     reward_fns = resolve_rewards(args, task)

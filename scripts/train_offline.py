@@ -77,6 +77,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
 import data
+import distributed
 import grpo
 import lora
 import model_io
@@ -575,18 +576,6 @@ def check_args(args: Args) -> None:
     cli.check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a folder")
 
 
-def resolve_device(name: str) -> torch.device:
-    """--device: 'auto' is cuda if available, else cpu; a malformed name or a missing GPU is a UsageError."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:  # torch's message lists the device types it knows
-        raise cli.UsageError(f"--device: {e}") from e
-    cli.check(device.type != "cuda" or torch.cuda.is_available(), "--device", f"{name}: no CUDA device here")
-    return device
-
-
 def load_groups(args: Args, out: Path) -> tuple[list[dict], list[dict]]:
     """(train, validation) pre-scored samples from --data/--val-data, a held-out split, or the demo."""
     if args.demo:
@@ -680,7 +669,9 @@ def run_grpo(model, batches, inputs_of, finish, args: Args) -> None:
 
 def main(args: Args) -> dict:
     check_args(args)
-    device, out, t_start = resolve_device(args.device), Path(args.output_dir), time.time()
+    with cli.user_errors():
+        device = distributed.resolve_device(args.device)
+    out, t_start = Path(args.output_dir), time.time()
     check_output(out, args.overwrite)
     model, tokenizer, image_processor, batches, val_batches = load_inputs(args, out, device)
     prepare_output(out)
