@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import random
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,11 +207,8 @@ def apply_prompt_template(samples: list[dict], template: str | None) -> list[dic
 
 
 def sample_messages(sample: dict) -> list[dict]:
-    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt.
-
-    A sample that still carries `summaries` (text descriptions instead of images) is rendered with the
-    default template; `apply_prompt_template` renders them with a user's template instead.
-    """
+    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt (or the
+    `summaries` in the default template, when `apply_prompt_template` has not rendered them)."""
     if "messages" in sample:
         return sample["messages"]
     if "summaries" in sample:
@@ -256,9 +254,7 @@ def prepare_prompts(
     inputs: dict[str, torch.Tensor] = {}
     if images:
         if image_processor is None:
-            raise ValueError(
-                f"{location(samples[0])}: this model has no image processor (text-only) but got images"
-            )
+            raise ValueError(f"{location(samples[0])}: a text-only model (no image processor) got images")
         vision = image_processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
         tokens_per_image = (grid.prod(-1) // image_processor.merge_size**2).tolist()
@@ -518,3 +514,37 @@ def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list
     # Disjoint streams per task and split: a held-out sample is never a training sample re-drawn.
     rng = random.Random(f"{name}/{split}/{seed}")
     return [makers[name](rng, i) for i in range(n)]
+
+
+def batch_for_step(
+    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1
+) -> list[dict]:
+    """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
+    permutations; a pure function of the step (exact resume), whole groups per rank.
+    NOTE: `--adv-scale batch` therefore divides by the std of this rank's batch, not the global one."""
+    global_size = batch_size * world
+    per_epoch = max(len(samples) // global_size, 1)
+    epoch, k = divmod(step, per_epoch)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
+    return global_batch[rank * batch_size : (rank + 1) * batch_size]
+
+
+def load_samples(
+    paths: Sequence[str], eval_path: str | None, *, task: str, train_size: int, eval_size: int, seed: int,
+    prompt_template: str | None,
+) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
+    task's splits; rendered with the prompt template file, if any."""
+    if paths:
+        train = []
+        for path in paths:
+            loaded = read_jsonl(path)
+            print(f"loaded {len(loaded)} samples from {path}")
+            train += loaded
+        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
+    else:
+        train = make_task(task, train_size, seed=seed)
+        held_out = make_task(task, eval_size, split="test", seed=seed)
+    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
+    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)

@@ -18,7 +18,7 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
 
 One step: `sample_completions` (no grad) -> `completion_mask` -> rewards (rewards.py) -> `group_advantages`
 -> `completion_logprobs` (with grad for logp; without for old_logp and, adapters off, ref_logp) -> `grpo_loss`
--> backward. speedups.py re-arranges the sampling and the log-prob passes exactly, for speed.
+-> backward. speedups.py re-arranges the sampling and the log-prob passes exactly.
 
 Choices, where the literature differs:
 - Advantage scale: `scale="group"` divides by the group's std (DeepSeekMath; unbiased std with G - 1, as TRL),
@@ -30,27 +30,24 @@ Choices, where the literature differs:
 - KL: the k3 estimator, added to the loss per token (DeepSeekMath), not folded into the reward (PPO-RLHF).
   beta = 0 drops it and the reference model with it (DAPO, Dr. GRPO).
 - Clipping: two epsilons (DAPO's clip-higher); clip_eps_low == clip_eps_high is plain PPO.
-- EOS is an action: the model chose to stop, so the EOS token is in the mask and gets gradient. Tokens after
-  it are padding and get exactly zero gradient.
-- Truncated completions (no EOS within max_new_tokens) keep all their tokens in the loss. DAPO's overlong
-  filtering would mask them; a caller who wants that can zero their mask using `truncated`.
+- EOS is an action (in the mask, with gradient); tokens after it are padding (exactly zero gradient).
+- Truncated completions (no EOS within max_new_tokens) keep all their tokens in the loss; DAPO's overlong
+  filtering masks them (`truncated`).
 - Objective (`policy_term`): PPO's clip (DeepSeekMath, DAPO), CISPO's truncated detached ratio on logp
   (MiniMax-M1: clipped tokens keep a gradient), or SAPO's smooth sigmoid gate (Qwen); `delta` adds
   INTELLECT-2's upper cap for negative advantages. Off by default: the plain clip.
 - Importance ratio per token (GRPO) or per sequence, the exp of the mean token log-ratio (GSPO: one
   decision per completion, as the reward is one per completion).
-- Tokens trained: all unmasked ones, or only the top-entropy share (`high_entropy_mask`, the "80/20" paper);
-  the KL and the normaliser still count every token (as TRL).
-- KL: plain k3 (DeepSeekMath), or k3 times the ratio (`kl_bias_correction`, DeepSeek-V3.2, TRL's default):
-  the latter is unbiased when tokens come from an older policy; the figures here use the plain one.
+- Tokens trained: all, or the top-entropy share (`high_entropy_mask`, "80/20"); KL and normaliser count all.
+- KL: plain k3 (DeepSeekMath), or k3 times the ratio (`kl_bias_correction`, DeepSeek-V3.2, TRL's default),
+  unbiased when tokens come from an older policy; ours defaults to the plain one.
 - Baseline (`group_advantages`): the group's mean (GRPO), the mean of the others (RLOO), or the batch's
   (REINFORCE++). Several rewards: summed, then normalised (default), or each normalised within its group
   first (`normalized_reward_sum`, GDPO), so a reward that is constant in a group adds nothing there.
-- logp is the full temperature-scaled softmax, although top_p < 1 and suppressed tokens make the sampler
-  draw from a truncated one (the standard choice, as in TRL): ratio and KL compare like with like.
-- old_logp: with one optimiser step per rollout (mu = 1), logp.detach() (ratio == 1: REINFORCE with the
-  group mean as baseline); for mu > 1 `completion_logprobs` under no_grad, not generate's log-probs, so the
-  first ratio is exactly 1 (a KV-cache path agrees only to rounding, which matters in bf16).
+- logp is the full temperature-scaled softmax, although top_p < 1 and suppressed tokens truncate the
+  sampler's (the standard choice, as in TRL): ratio and KL compare like with like.
+- old_logp: at mu = 1 optimiser step per rollout, logp.detach() (ratio == 1); for mu > 1 a no-grad
+  `completion_logprobs`, not generate's log-probs, so the first ratio is exactly 1 (not only to rounding).
 """
 
 import math
@@ -86,24 +83,18 @@ def group_advantages(
     clip: float | None = None,
     baseline: str = "group",
 ) -> torch.Tensor:
-    """Advantages (N,) = (r - baseline) / (std + eps), optionally clipped to [-clip, clip].
-
-    baseline: "group" the mean of the row's group (GRPO); "rloo" the mean of the G - 1 others (RLOO, Ahmadian
-    et al. 2024: G / (G - 1) times the group-centred reward); "batch" the mean of all N rewards (REINFORCE++,
-    Hu 2025, with scale="batch"). scale: "group" divides by the group's unbiased std (G - 1, like TRL),
-    "batch" by the std of all N rewards, "none" not at all (Dr. GRPO).
-    NOTE: a zero-variance group has advantage exactly 0, never NaN, under the group baselines.
-    """
+    """Advantages (N,) = (r - baseline) / (std + eps), optionally clipped to [-clip, clip]. baseline: the mean
+    of the row's group (GRPO); "rloo" the mean of the G - 1 others (RLOO, Ahmadian et al. 2024: G / (G - 1)
+    times the group-centred reward); "batch" the mean of all N (REINFORCE++, Hu 2025). A zero-variance group
+    gets exactly 0, never NaN, under the group baselines."""
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2 to have a group baseline, got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards must be (N,) with N divisible by group_size={group_size}, got {rewards.shape}"
-        )
+        raise ValueError(f"rewards must be (N,) with N divisible by {group_size=}, got {rewards.shape}")
     if scale not in ADVANTAGE_SCALES or baseline not in ADVANTAGE_BASELINES:
         raise ValueError(f"need scale in {ADVANTAGE_SCALES} and baseline in {ADVANTAGE_BASELINES}")
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("rewards must be finite: a NaN would spread to the whole group's advantages")
+    if not bool(torch.isfinite(rewards).all()):  # a NaN would spread to its whole group
+        raise ValueError("rewards must be finite")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     grouped = rewards.view(-1, group_size)  # (B, G)
     if baseline == "batch":
@@ -163,10 +154,8 @@ def aggregate(
         "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
         "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
         "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
-    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do).
-
-    A caller that splits a batch into micro-batches (or ranks) passes the whole batch's num_rows and
-    num_tokens, so the chunks' losses sum to the unchunked one; train.py passes the global count for both.
+    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do). A caller that splits
+    the batch (micro-batches, ranks) passes the whole batch's num_rows and num_tokens: the parts then sum.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -174,8 +163,7 @@ def aggregate(
     per_token = torch.where(mask, per_token, 0.0)  # (N, T) `where`, not a product: inf * 0 would be NaN
     num_rows = mask.shape[0] if num_rows is None else num_rows
     if loss_type in ("grpo", "sapo"):
-        # clamp: a zero-length row (only when T == 0) would be 0 / 0; real completions have length >= 1.
-        lengths = mask.sum(dim=1).clamp(min=1)  # (N,)
+        lengths = mask.sum(dim=1).clamp(min=1)  # (N,) clamp: only T == 0 gives a zero-length row
         return (per_token.sum(dim=1) / lengths).sum() / num_rows
     if loss_type == "dr_grpo":
         if max_completion_length is None:
@@ -255,9 +243,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
     ratio = exp(logp - old_logp) per token, or per row exp(mean_t(logp - old_logp)) (GSPO, Zheng et al.
-    2025); `policy_term` per loss_type, reduced by `aggregate`. token_mask (N, T) keeps the policy term on
-    some tokens (`high_entropy_mask`). kl_bias_correction weights k3 by the ratio (DeepSeek-V3.2): unbiased
-    for tokens drawn from old_logp; at mu = 1 it is 1 in value but adds a gradient term.
+    2025); `policy_term` per loss_type, reduced by `aggregate`; token_mask (N, T) limits the policy term
+    (`high_entropy_mask`); kl_bias_correction weights k3 by the ratio (DeepSeek-V3.2).
     Stats (token means): kl, ratio_mean, clip_frac_low / clip_frac_high (ratio past the clip: adv < 0 / > 0).
     """
     if beta > 0 and ref_logp is None:
@@ -266,15 +253,16 @@ def grpo_loss(
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
     mask = mask.bool()
     adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
-    # Mask BEFORE exp: at a masked position logp - old_logp may be huge, exp -> inf, and where's zero gradient
-    # times inf is NaN. Zeroing the input keeps the gradient there exactly 0.
+    # Mask BEFORE exp: a huge masked log-ratio gives exp = inf, and where's zero gradient times inf is NaN.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, T)
     if importance_sampling_level == "sequence":  # one ratio per row, length-normalised (GSPO)
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
     ratio = torch.exp(log_ratio)  # (N, T) or (N, 1)
-    options = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta)
-    options.update(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
-    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **options).expand(mask.shape)  # (N, T)
+    clip = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta)
+    sapo = dict(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
+    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **clip, **sapo).expand(
+        mask.shape
+    )  # (N, T)
     if token_mask is not None:
         per_token = torch.where(token_mask, per_token, 0.0)
     kl = None
@@ -285,21 +273,16 @@ def grpo_loss(
             kl = kl * ratio
         if beta > 0:
             per_token = per_token + beta * kl
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_type=loss_type,
-        max_completion_length=max_completion_length,
-        num_rows=num_rows,
-        num_tokens=num_tokens,
-    )
+    counts = dict(max_completion_length=max_completion_length, num_rows=num_rows, num_tokens=num_tokens)
+    loss = aggregate(per_token, mask, loss_type=loss_type, **counts)
     with torch.no_grad():
         ratio = ratio.expand(mask.shape)  # (N, T)
-        clip_low = (ratio < 1 - clip_eps_low) & (adv < 0)  # (N, T)
-        clip_high = (ratio > 1 + clip_eps_high) & (adv > 0)  # (N, T)
-        values = {"clip_frac_low": clip_low.float(), "clip_frac_high": clip_high.float(), "ratio_mean": ratio}
-        if kl is not None:
-            values["kl"] = kl
+        values = {
+            "clip_frac_low": ((ratio < 1 - clip_eps_low) & (adv < 0)).float(),
+            "clip_frac_high": ((ratio > 1 + clip_eps_high) & (adv > 0)).float(),
+            "ratio_mean": ratio,
+            **({"kl": kl} if kl is not None else {}),
+        }
         n = mask.sum().clamp(min=1)
         means = torch.stack([torch.where(mask, v, 0).sum() / n for v in values.values()])
         stats = dict(zip(values, means.tolist()))  # one device sync for all of them
@@ -310,11 +293,9 @@ def grpo_loss(
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss mask (N, T) and `truncated` (N,), from each row's length, never from token values.
-
-    A row runs up to and including its first EOS (EOS is an action); what follows is padding whatever its
-    value, so pad == eos is safe. A row without EOS was cut at max_new_tokens: all T count, `truncated`.
-    NOTE: an empty completion (EOS first) has length 1: stopping at once is a decision to learn.
+    """Loss mask (N, T) and `truncated` (N,), from each row's length, never from token values: a row runs up
+    to and including its first EOS, what follows is padding whatever its value (so pad == eos is safe); a
+    row without EOS was cut at max_new_tokens (all T count). An EOS-first row has length 1: a decision too.
     """
     T = completion_ids.shape[1]
     is_eos = completion_ids == eos_token_id  # (N, T)
@@ -369,11 +350,8 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 def selective_log_softmax(
     logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T).
-
-    Never holds an (N, T, V) log-softmax or a divided copy of the logits, only one row's (T, V) temporaries.
-    The result is fp32: bf16 logits are upcast row by row, before the division and the logsumexp.
-    """
+    """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
+    in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     return _SelectiveLogSoftmax.apply(logits, index, float(temperature))
@@ -446,7 +424,6 @@ def completion_logprobs(
     """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass: the
     same ids, pixels and grids as generation, softmax(logits / temperature) over the full vocabulary."""
     T = completion_ids.shape[1]
-    # Only the last T + 1 positions' logits: the prompt's are never needed. use_cache=False: no KV cache.
     out = model(**recompute_inputs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
     # Off-by-one: the logit at position j predicts token j + 1. Position P - 1 (last prompt token) predicts
     # completion token 0; the last position predicts a token past the end and is dropped.
@@ -461,29 +438,13 @@ def completion_logprobs(
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
 # defaults (top_k=50; Qwen2.5-VL-Instruct ships a repetition penalty). These switch every other processor off.
 NO_OTHER_PROCESSORS = dict(
-    top_k=None,  # NOTE: off on purpose; left unset it would be inherited
-    min_p=None,
-    top_h=None,
-    typical_p=1.0,
-    epsilon_cutoff=0.0,
-    eta_cutoff=0.0,
-    repetition_penalty=1.0,
-    encoder_repetition_penalty=1.0,
-    no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0,
-    bad_words_ids=None,
-    sequence_bias=None,
-    guidance_scale=None,
-    min_length=0,
-    min_new_tokens=None,
-    forced_bos_token_id=None,
-    forced_eos_token_id=None,
-    exponential_decay_length_penalty=None,
-    begin_suppress_tokens=None,
-    watermarking_config=None,
-    remove_invalid_values=False,
-    num_beams=1,
-)
+    top_k=None, min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None, guidance_scale=None, min_length=0,
+    min_new_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+    exponential_decay_length_penalty=None, begin_suppress_tokens=None, watermarking_config=None,
+    remove_invalid_values=False, num_beams=1,
+)  # fmt: skip
 
 
 def check_sampling(
@@ -509,30 +470,20 @@ def sample_completions(
     return_logprobs: bool = False,
     num_return_sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Completion ids (N, T) from one `model.generate` call [and their log-probs, for tests: (N, T, V) kept].
-    `inputs`: LEFT-padded prompt rows; `num_return_sequences` = G samples each G times, rows in
-    `repeat_interleave` order. temperature 0 is greedy; top_k and every other processor are off.
-    `suppress_token_ids` are never drawn: an image token in a completion would have no pixels.
-    """
+    """Completion ids (N, T) from one `model.generate` call [and their log-probs, for tests]. `inputs`:
+    LEFT-padded prompts, each sampled num_return_sequences = G times (rows in `repeat_interleave` order).
+    temperature 0 is greedy; top_k and every other processor are off; suppress_token_ids are never drawn."""
     check_inputs(inputs)
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     sample = temperature > 0
     out = model.generate(
-        **inputs,
-        **NO_OTHER_PROCESSORS,
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if sample else None,
-        top_p=top_p if sample else None,
-        suppress_tokens=list(suppress_token_ids) or None,
-        num_return_sequences=num_return_sequences,
+        **inputs, **NO_OTHER_PROCESSORS, max_new_tokens=max_new_tokens, do_sample=sample,
+        temperature=temperature if sample else None, top_p=top_p if sample else None,
+        suppress_tokens=list(suppress_token_ids) or None, num_return_sequences=num_return_sequences,
         # A single EOS id: a checkpoint's list of several would end rows on tokens we do not treat as EOS.
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-        return_dict_in_generate=True,
-        output_logits=return_logprobs,
-    )
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs,
+    )  # fmt: skip
     completion_ids = out.sequences[:, inputs["input_ids"].shape[1] :]  # (N, T) generate returns prompt + new
     if not return_logprobs:
         return completion_ids, None
@@ -553,18 +504,18 @@ def rollout_metrics(
     group_size: int,
 ) -> dict[str, float]:
     """Scalars about one rollout (tensors per row (N,), mask (N, T)); population stds, so N = 1 gives 0.
-    NOTE: completion_length/correct (/incorrect) is left out when no row is correct (incorrect).
-    """
+    completion_length/correct (/incorrect) is left out when no row is correct (incorrect)."""
     if rewards.numel() % group_size:
         raise ValueError(f"N={rewards.numel()} rewards do not split into groups of {group_size}")
     lengths = mask.sum(dim=1).float()  # (N,)
-    metrics = {"reward/mean": rewards.float().mean(), "reward/std": rewards.float().std(correction=0)}
-    for name, values in components.items():
-        metrics[f"reward/{name}/mean"] = values.float().mean()
-        metrics[f"reward/{name}/std"] = values.float().std(correction=0)
+    metrics = {}
+    for name, values in {"reward": rewards, **{f"reward/{k}": v for k, v in components.items()}}.items():
+        metrics[f"{name}/mean"], metrics[f"{name}/std"] = (
+            values.float().mean(),
+            values.float().std(correction=0),
+        )
     metrics["frac_zero_std_groups"] = _zero_std_groups(rewards, group_size).float().mean()
-    metrics["completion_length/mean"] = lengths.mean()
-    metrics["completion_length/max"] = lengths.max()
+    metrics["completion_length/mean"], metrics["completion_length/max"] = lengths.mean(), lengths.max()
     metrics["frac_truncated"] = truncated.float().mean()
     if correct is not None:
         correct = correct.bool()
@@ -572,9 +523,7 @@ def rollout_metrics(
         for key, rows in (("correct", correct), ("incorrect", ~correct)):
             if bool(rows.any()):
                 metrics[f"completion_length/{key}"] = lengths[rows].mean()
-    metrics["frac_empty"] = (
-        ((lengths == 1) & ~truncated).float().mean()
-    )  # the EOS alone: chose to say nothing
+    metrics["frac_empty"] = ((lengths == 1) & ~truncated).float().mean()  # the EOS alone: said nothing
     return {key: float(value) for key, value in metrics.items()}
 
 

@@ -10,8 +10,8 @@ project is imported.
 
 Choices:
 - The JSONL files are the record of a run; a tracker mirrors metrics.jsonl and is never the only copy.
-  They are appended one fsynced line at a time, so a crash leaves at most one torn last line, and on
-  --resume `trim_jsonl` cuts them back to the checkpoint's step, so that no step is logged twice.
+  They are appended one fsynced line at a time (`append_jsonl`), so a crash leaves at most one torn last
+  line, and on --resume model_io.trim_jsonl cuts them back to the checkpoint's step: no step twice.
 - Rollout records keep every float at full precision (Python's float repr round-trips exactly), so the
   advantages in rollouts.jsonl can be recomputed from its rewards and compared exactly; the completion
   text, not the digits, dominates the file's size.
@@ -31,6 +31,7 @@ import math
 import numbers
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,38 +39,15 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 # --------------------------------------------------------------------------------------------------
-# JSONL files
+# JSONL lines: one per step, one per sampled completion
 
 
-def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep only the lines whose "step" is <= last_step, rewriting the file atomically (absent file: no-op).
-
-    Lines that are not a JSON object with a numeric "step" are dropped too: in an append-only file that is a
-    torn last line, written when the process died mid-write.
-    """
-    path = Path(path)
-    if not path.exists():
-        return
-    kept = []
-    for raw in path.read_bytes().split(b"\n"):
-        try:
-            # NOTE: decoded line by line: a torn line may end inside a multi-byte UTF-8 character (labels
-            # and completions are written with ensure_ascii=False), which would fail a whole-file read.
-            record = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            continue
-        step = record.get("step") if isinstance(record, dict) else None
-        if isinstance(step, numbers.Real) and step <= last_step:
-            kept.append(raw.rstrip(b"\r"))
-    # Write beside the file, then rename over it: a crash now leaves either the old or the new file, never
-    # half of one. The directory is not fsynced: losing the rename only brings back the untrimmed file,
-    # which the next --resume trims again.
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(b"".join(line + b"\n" for line in kept))
+def append_jsonl(path: str | Path, record: dict) -> None:
+    """One line per record, flushed and fsynced, so `tail -f` works and a crash loses at most one line."""
+    with Path(path).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def image_reference(image: Any) -> str:
@@ -182,6 +160,65 @@ def print_progress(line: str, *, tty: bool) -> None:
         sys.stdout.flush()
     else:
         print(line, flush=True)
+
+
+NO_SIGNAL_HINT = (
+    "{n} steps in a row without a learning signal: every group's completions got the same reward, so every "
+    "advantage is 0. Likely causes: a reward that is always 0 or always 1 on this data (look at a few with "
+    "--dry-run, or in rollouts.jsonl), --group-size {G} too small, or --temperature {T} too low for the "
+    "completions of a prompt to differ."
+)
+
+
+@dataclass
+class StepLog:
+    """What the writing rank keeps between training steps, and what it does with each step's record: append
+    metrics.jsonl, timings.jsonl and rollouts.jsonl, mirror to the tracker, print progress and warnings."""
+
+    out: Path
+    tracker: Tracker | None
+    t_start: float
+    first_step: int  # the step the run (re)started from, for the s/step figure
+    total_steps: int
+    log_every: int
+    group_size: int
+    temperature: float
+    accuracy: float | None = None  # the latest held-out accuracy, shown on the progress line
+    no_signal_in_a_row: int = 0
+
+    def step(self, record: dict, timings: dict, completions: list[dict], bad_in_a_row: int) -> None:
+        step = record["step"]
+        for name, rows in (("metrics", [record]), ("timings", [timings]), ("rollouts", completions)):
+            for row in rows:
+                append_jsonl(self.out / f"{name}.jsonl", row)
+        self.accuracy = record.get("eval/accuracy", self.accuracy)
+        if self.tracker is not None:
+            self.tracker.log(record, step)
+            if "eval/accuracy" in record and completions:
+                self.tracker.log_completions(completions[: self.group_size], step)
+        seconds_per_step = (time.time() - self.t_start) / (step - self.first_step)
+        if step % self.log_every == 0 or step == self.total_steps or record["skipped"]:
+            eta = seconds_per_step * (self.total_steps - step)
+            line = progress_line(
+                step, self.total_steps, record, seconds_per_step=seconds_per_step, eta_seconds=eta,
+                accuracy=self.accuracy,
+            )  # fmt: skip
+            print_progress(line, tty=sys.stdout.isatty())
+        if record["skipped"]:
+            print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
+        self.no_signal_in_a_row = self.no_signal_in_a_row + 1 if record["frac_zero_std_groups"] == 1.0 else 0
+        if self.no_signal_in_a_row == 3:  # once per streak
+            hint = NO_SIGNAL_HINT.format(n=3, G=self.group_size, T=self.temperature)
+            print(f"\nwarning: {hint}", flush=True)
+
+
+def run_summary(records: list[dict], seconds: float) -> dict:
+    """steps, wall time and the first and last held-out accuracy of a run's metrics records."""
+    evals = [r for r in records if "eval/accuracy" in r]
+    summary = {"steps": records[-1]["step"], "wall_time_s": round(seconds, 1)}
+    if evals:
+        summary.update(accuracy_start=evals[0]["eval/accuracy"], accuracy_end=evals[-1]["eval/accuracy"])
+    return summary
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 import pickle
 import random
@@ -297,9 +298,51 @@ def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
     )
 
 
-def append_jsonl(path: str | Path, record: dict) -> None:
-    """One line per record, flushed and fsynced, so `tail -f` works and a crash loses at most one line."""
-    with Path(path).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+def trim_jsonl(path: Path, last_step: int) -> None:
+    """Keep only the lines whose "step" is <= last_step, rewriting the file atomically (absent file: no-op).
+
+    Lines that are not a JSON object with a numeric "step" are dropped too: in an append-only file that is a
+    torn last line, written when the process died mid-write.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = []
+    for raw in path.read_bytes().split(b"\n"):
+        try:
+            # NOTE: decoded line by line: a torn line may end inside a multi-byte UTF-8 character (labels
+            # and completions are written with ensure_ascii=False), which would fail a whole-file read.
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, numbers.Real) and step <= last_step:
+            kept.append(raw.rstrip(b"\r"))
+    # Write beside the file, then rename over it: a crash now leaves either the old or the new file, never
+    # half of one. The directory is not fsynced: losing the rename only brings back the untrimmed file,
+    # which the next --resume trims again.
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(b"".join(line + b"\n" for line in kept))
         f.flush()
         os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: dict) -> None:
+    """The first write of a run (`mode` from check_run_folder): clear what it replaces, or trim the logs of
+    the resumed run to its checkpoint (later steps are redone); run.json records which run owns the folder."""
+    if mode == "replace":
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        for folder in [*(out / name for name in RUN_FOLDERS), *out.glob("checkpoint-*")]:
+            shutil.rmtree(folder, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if mode == "resume":
+        for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
+            trim_jsonl(out / name, start_step)
+    if mode != "resume" or not (out / "run.json").exists():
+        record = {"run_id": run_id, "args": config}
+        (out / "run.json").write_text(
+            json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )

@@ -319,12 +319,11 @@ def score(
 ) -> Scores:
     """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates."""
     # NOTE: samples are NOT broadcast over the group; the trainer repeats each sample G times.
-    if len(samples) != len(completions):
-        raise ValueError(f"got {len(completions)} completions but {len(samples)} samples")
-    if completion_lengths is not None and len(completion_lengths) != len(completions):
-        raise ValueError(
-            f"got {len(completions)} completions but {len(completion_lengths)} completion_lengths"
-        )
+    n = len(completions)
+    if len(samples) != n:
+        raise ValueError(f"got {n} completions but {len(samples)} samples")
+    if completion_lengths is not None and len(completion_lengths) != n:
+        raise ValueError(f"got {n} completions but {len(completion_lengths)} completion_lengths")
     names = [r.name for r in rewards]
     if len(set(names)) != len(names):
         raise ValueError(f"reward names must be unique, got {names}")

@@ -25,8 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
-import sys
 import time
 import uuid
 import warnings
@@ -254,6 +252,10 @@ class Run:
     held_out: list[dict] = dataclasses.field(default_factory=list)
     reward_fns: list[rewards.Reward] = dataclasses.field(default_factory=list)
     accuracy_name: str = ""
+    sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampler_options`)
+    loss: dict = dataclasses.field(
+        default_factory=dict
+    )  # grpo_loss's options from the flags (`loss_options`)
     # speed-ups: the decoder's blocks, norm and LM head (--trunk-reuse) and the block whose input sampling
     # records as the trunk (--shared-prefill --trunk-reuse); None on the plain path
     parts: dict | None = None
@@ -278,9 +280,7 @@ class Rollout:
     chunks: list[speedups.RowChunk]  # the rows as the log-prob passes take them (one chunk on the plain path)
     old_logp: torch.Tensor | None = None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
-    token_mask: torch.Tensor | None = (
-        None  # (N, T) the high-entropy tokens, only when top_entropy_quantile < 1
-    )
+    token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
@@ -289,7 +289,9 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     t0 = time.time()
     if run.world > 1:  # each rank its own sampling stream; one process keeps its single stream
         distributed.seed_rank_stream(args.seed, step, run.rank)
-    prompts = batch_for_step(run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world)
+    prompts = data.batch_for_step(
+        run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
+    )
     ro = rollout(run, prompts, args)  # sample -> score -> advantages, no grad
     if args.dynamic_sampling:  # DAPO: only groups with a learning signal, topped up from more prompts
         ro, counts = groups_with_signal(run, ro, step, args)
@@ -323,29 +325,25 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
     return distributed.gather_lists(rows) if run.world > 1 else rows
 
 
+def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
+    """The samples' chat text, tokens and image tensors, left-padded into one batch on the run's device."""
+    options = dict(device=run.device, max_prompt_length=args.max_prompt_length)
+    return data.prepare_prompts(samples, run.tokenizer, run.image_processor, **options)
+
+
 @torch.no_grad()
 def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -> Rollout:
     """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
     G, model, tokenizer = args.group_size, run.model, run.tokenizer
-    batch = data.prepare_prompts(
-        prompts, tokenizer, run.image_processor, device=run.device, max_prompt_length=args.max_prompt_length
-    )
+    batch = prompt_batch(run, prompts, args)
     model.eval()
-    options = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer),  # image tokens would have no pixels
-    )
     # The B prompts go in (each image encoded once); rows b*G .. b*G+G-1 come out as prompt b's group.
     if args.shared_prefill:  # speed-up: each prompt prefilled once, the trunk recorded on the way
         ids, recording = speedups.sample_shared_prefill(
-            model, batch.inputs, group_size=G, record_block=run.record_block, **options
+            model, batch.inputs, group_size=G, record_block=run.record_block, **run.sampling
         )
     else:  # the reference sampler: one generate call
-        ids, _ = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **options)
+        ids, _ = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **run.sampling)
         recording = None
     mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (N, T), (N,)
     texts = data.decode_completions(tokenizer, ids, mask)
@@ -357,20 +355,12 @@ def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -
     components = {
         k: torch.tensor(v, dtype=torch.float32, device=run.device) for k, v in scores.components.items()
     }
-    adv = advantages(reward, components, run, args)  # (N,)
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
     return Rollout(
-        inputs=inputs,
-        completion_ids=ids,
-        mask=mask,
-        truncated=truncated,
-        texts=texts,
-        samples=samples,
-        reward=reward,
-        components=components,
-        adv=adv,
+        inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
+        reward=reward, components=components, adv=advantages(reward, components, run, args),
         chunks=row_chunks(run, inputs, ids, recording, args) if chunks else [],
-    )
+    )  # fmt: skip
 
 
 EXTRA_ROUNDS = 1_000_000  # batch indices of dynamic sampling's extra rounds start here (see batch_for_step)
@@ -393,7 +383,7 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
         if not distributed.any_rank(len(kept) < B) or rounds == args.max_sampling_rounds:
             break
         index = EXTRA_ROUNDS + (step - 1) * extra + rounds - 1  # a stream of its own, disjoint from the steps
-        prompts = batch_for_step(run.train_samples, index, B, args.seed, run.rank, run.world)
+        prompts = data.batch_for_step(run.train_samples, index, B, args.seed, run.rank, run.world)
         ro, rounds = rollout(run, prompts, args, chunks=False), rounds + 1
     chosen = (kept + spare)[:B]
     counts = {
@@ -408,13 +398,7 @@ def rollout_of_groups(run: Run, groups: list[tuple[Rollout, slice]], args: Args)
     """One Rollout from groups of several rollouts: prompts re-padded together, completions padded to the
     longest (masks carried over, never recomputed from padding), advantages of the kept groups."""
     prompts = [ro.samples[rows.start] for ro, rows in groups]
-    batch = data.prepare_prompts(
-        prompts,
-        run.tokenizer,
-        run.image_processor,
-        device=run.device,
-        max_prompt_length=args.max_prompt_length,
-    )
+    batch = prompt_batch(run, prompts, args)
     T = max(ro.completion_ids.shape[1] for ro, _ in groups)
 
     def padded(x: torch.Tensor, value) -> torch.Tensor:  # (G, T_round) -> (G, T)
@@ -422,23 +406,19 @@ def rollout_of_groups(run: Run, groups: list[tuple[Rollout, slice]], args: Args)
 
     ids = torch.cat([padded(ro.completion_ids[rows], run.tokenizer.pad_token_id) for ro, rows in groups])
     mask = torch.cat([padded(ro.mask[rows], False) for ro, rows in groups])  # (N, T)
-    reward = torch.cat([ro.reward[rows] for ro, rows in groups])
+    reward, truncated = (
+        torch.cat([getattr(ro, k)[rows] for ro, rows in groups]) for k in ("reward", "truncated")
+    )
     components = {
         k: torch.cat([ro.components[k][rows] for ro, rows in groups]) for k in groups[0][0].components
     }
+    texts, samples = ([x for ro, rows in groups for x in getattr(ro, k)[rows]] for k in ("texts", "samples"))
     inputs = data.repeat_rows(batch, args.group_size).inputs
     return Rollout(
-        inputs=inputs,
-        completion_ids=ids,
-        mask=mask,
-        truncated=torch.cat([ro.truncated[rows] for ro, rows in groups]),
-        texts=[text for ro, rows in groups for text in ro.texts[rows]],
-        samples=[sample for ro, rows in groups for sample in ro.samples[rows]],
-        reward=reward,
-        components=components,
-        adv=advantages(reward, components, run, args),
+        inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
+        reward=reward, components=components, adv=advantages(reward, components, run, args),
         chunks=row_chunks(run, inputs, ids, None, args),
-    )
+    )  # fmt: skip
 
 
 def advantages(
@@ -475,17 +455,14 @@ def chunk_logprobs(
     options = dict(temperature=args.temperature, return_entropy=return_entropy)
     if chunk.trunk is None:
         return grpo.completion_logprobs(run.model, chunk.inputs, chunk.completion_ids, **options)
-    checkpointing = args.gradient_checkpointing
-    return speedups.trunk_logprobs(
-        chunk.trunk, chunk.completion_ids, gradient_checkpointing=checkpointing, **options, **run.parts
-    )
+    options["gradient_checkpointing"] = args.gradient_checkpointing
+    return speedups.trunk_logprobs(chunk.trunk, chunk.completion_ids, **options, **run.parts)
 
 
 @torch.no_grad()
 def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
-    """Fill ro.old_logp (needed when mu > 1), ro.ref_logp (beta > 0) and ro.token_mask (top_entropy_quantile
-    < 1: chosen once per rollout, from the policy that sampled it), chunk by chunk, without grad."""
-    # With mu = 1 the ratio's denominator is logp.detach() itself, so old_logp is not computed.
+    """Fill ro.old_logp (mu > 1; at mu = 1 it is logp.detach()), ro.ref_logp (beta > 0) and ro.token_mask
+    (top_entropy_quantile < 1: chosen once, from the policy that sampled), chunk by chunk, without grad."""
     if args.num_iterations > 1 or args.top_entropy_quantile < 1:
         entropy = args.top_entropy_quantile < 1
         pairs = [chunk_logprobs(run, chunk, args, return_entropy=entropy) for chunk in ro.chunks]
@@ -514,26 +491,13 @@ def accumulate_policy_gradient(
     for chunk in ro.chunks:
         rows = chunk.rows
         logp, entropy = chunk_logprobs(run, chunk, args, return_entropy=True)  # (n, T) with grad
+        old_logp = ro.old_logp[rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
+        ref_logp = ro.ref_logp[rows] if ro.ref_logp is not None else None
+        token_mask = ro.token_mask[rows] if ro.token_mask is not None else None
         loss, stats = grpo.grpo_loss(
-            logp,
-            ro.old_logp[rows] if ro.old_logp is not None else logp.detach(),
-            ro.ref_logp[rows] if ro.ref_logp is not None else None,
-            ro.adv[rows],
-            ro.mask[rows],
-            clip_eps_low=args.clip_eps_low,
-            clip_eps_high=args.clip_eps_high,
-            beta=beta,
-            loss_type=args.loss_type,
-            max_completion_length=args.max_new_tokens,
-            num_rows=num_rows,
-            num_tokens=num_tokens,
-            importance_sampling_level=args.importance_sampling_level,
-            delta=args.delta,
-            sapo_temperature_pos=args.sapo_temperature_pos,
-            sapo_temperature_neg=args.sapo_temperature_neg,
-            kl_bias_correction=args.use_bias_correction_kl,
-            token_mask=ro.token_mask[rows] if ro.token_mask is not None else None,
-        )
+            logp, old_logp, ref_logp, ro.adv[rows], ro.mask[rows], beta=beta, num_rows=num_rows,
+            num_tokens=num_tokens, token_mask=token_mask, **run.loss,
+        )  # fmt: skip
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
         share = ro.mask[rows].sum().item() / num_tokens.item()
@@ -563,10 +527,7 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
             optimizer.zero_grad(set_to_none=True)
             break
         optimizer.step()
-    with warnings.catch_warnings():
-        # NOTE: the schedule counts steps, skipped or not: a skipped first step makes torch warn; intended.
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-        run.scheduler.step()
+    run.scheduler.step()  # every step counts, skipped or not
     model.eval()
     stats.update(loss=loss, grad_norm=grad_norm.item(), lr=run.scheduler.get_last_lr()[0], skipped=skipped)
     entropy_sum, num_tokens = (entropy * ro.mask).sum().item(), ro.mask.sum().item()
@@ -580,81 +541,92 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
 # Set-up: data, rewards, model, LoRA, optimizer
 
 
+FP16_REFUSED = (
+    "float16 is not supported for training (activations overflow, gradients underflow); use bfloat16 "
+    "(Ampere or newer) or float32"
+)
+
+
 def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError)."""
+    a = args
     ranges = [
-        ("--batch-size", args.batch_size >= 1, "must be >= 1 prompt per step"),
-        ("--group-size", args.group_size >= 2, "must be >= 2: each completion is compared with its group"),
-        ("--max-new-tokens", args.max_new_tokens >= 1, "must be >= 1"),
-        ("--max-prompt-length", args.max_prompt_length >= 1, "must be >= 1"),
-        ("--temperature", args.temperature > 0, "must be > 0: at 0 every completion of a group is the same"),
-        ("--top-p", 0 < args.top_p <= 1, "must be in (0, 1]"),
-        ("--steps", args.steps >= 1, "must be >= 1"),
-        (
-            "--lr",
-            args.lr > 0 and math.isfinite(args.lr),
-            "must be a positive number (e.g. 2e-5 on real models)",
-        ),
-        ("--warmup-steps", args.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", args.weight_decay >= 0, "must be >= 0"),
-        ("--max-grad-norm", args.max_grad_norm > 0, "must be > 0"),
-        ("--max-bad-steps", args.max_bad_steps >= 0, "must be >= 0"),
-        ("--num-iterations", args.num_iterations >= 1, "must be >= 1"),
-        ("--max-sampling-rounds", args.max_sampling_rounds >= 1, "must be >= 1"),
-        ("--micro-batch-size", args.micro_batch_size is None or args.micro_batch_size >= 1, "must be >= 1"),
-        ("--beta", args.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
-        ("--clip-eps-low", 0 <= args.clip_eps_low < 1, "must be in [0, 1)"),
-        ("--clip-eps-high", args.clip_eps_high >= 0, "must be >= 0"),
-        ("--adv-clip", args.adv_clip is None or args.adv_clip > 0, "must be > 0"),
-        ("--kl-adapt-factor", args.kl_adapt_factor > 1, "must be > 1"),
-        (
-            "--delta",
-            args.delta is None or args.delta > 1 + args.clip_eps_high,
-            "must be > 1 + --clip-eps-high",
-        ),
-        ("--sapo-temperature-pos", args.sapo_temperature_pos > 0, "must be > 0"),
-        ("--sapo-temperature-neg", args.sapo_temperature_neg > 0, "must be > 0"),
-        ("--top-entropy-quantile", 0 < args.top_entropy_quantile <= 1, "must be in (0, 1]"),
-        ("--lora-last-k", args.lora_last_k >= 1, "must be >= 1"),
-        ("--lora-r", args.lora_r >= 1, "must be >= 1"),
-        ("--lora-alpha", args.lora_alpha > 0, "must be > 0"),
-        ("--lora-dropout", 0 <= args.lora_dropout < 1, "must be in [0, 1)"),
-        ("--train-size", args.train_size >= 1, "must be >= 1"),
-        ("--eval-size", args.eval_size >= 0, "must be >= 0"),
-        ("--eval-every", args.eval_every >= 1, "must be >= 1"),
-        ("--save-every", args.save_every >= 1, "must be >= 1"),
-        ("--keep-last", args.keep_last >= 1, "must be >= 1"),
-        ("--log-every", args.log_every >= 1, "must be >= 1"),
-        ("--log-completions-every", args.log_completions_every >= 0, "must be >= 0 (0: never)"),
-    ]
-    # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
-    # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
-    fp16 = "float16 is not supported for training (activations overflow, gradients underflow); use bfloat16"
-    ranges.append(("--dtype", args.dtype != "float16", f"{fp16} (Ampere or newer) or float32"))
+        ("--batch-size", a.batch_size >= 1, "must be >= 1 prompt per step"),
+        ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
+        ("--max-new-tokens", a.max_new_tokens >= 1, "must be >= 1"),
+        ("--max-prompt-length", a.max_prompt_length >= 1, "must be >= 1"),
+        ("--temperature", a.temperature > 0, "must be > 0: at 0 every completion of a group is the same"),
+        ("--top-p", 0 < a.top_p <= 1, "must be in (0, 1]"),
+        ("--steps", a.steps >= 1, "must be >= 1"),
+        ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
+        ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
+        ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
+        ("--max-bad-steps", a.max_bad_steps >= 0, "must be >= 0"),
+        ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
+        ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
+        ("--micro-batch-size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1"),
+        ("--beta", a.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
+        ("--clip-eps-low", 0 <= a.clip_eps_low < 1, "must be in [0, 1)"),
+        ("--clip-eps-high", a.clip_eps_high >= 0, "must be >= 0"),
+        ("--adv-clip", a.adv_clip is None or a.adv_clip > 0, "must be > 0"),
+        ("--kl-adapt-factor", a.kl_adapt_factor > 1, "must be > 1"),
+        ("--delta", a.delta is None or a.delta > 1 + a.clip_eps_high, "must be > 1 + --clip-eps-high"),
+        ("--sapo-temperature-pos", a.sapo_temperature_pos > 0, "must be > 0"),
+        ("--sapo-temperature-neg", a.sapo_temperature_neg > 0, "must be > 0"),
+        ("--top-entropy-quantile", 0 < a.top_entropy_quantile <= 1, "must be in (0, 1]"),
+        ("--lora-last-k", a.lora_last_k >= 1, "must be >= 1"),
+        ("--lora-r", a.lora_r >= 1, "must be >= 1"),
+        ("--lora-alpha", a.lora_alpha > 0, "must be > 0"),
+        ("--lora-dropout", 0 <= a.lora_dropout < 1, "must be in [0, 1)"),
+        ("--train-size", a.train_size >= 1, "must be >= 1"),
+        ("--eval-size", a.eval_size >= 0, "must be >= 0"),
+        ("--eval-every", a.eval_every >= 1, "must be >= 1"),
+        ("--save-every", a.save_every >= 1, "must be >= 1"),
+        ("--keep-last", a.keep_last >= 1, "must be >= 1"),
+        ("--log-every", a.log_every >= 1, "must be >= 1"),
+        ("--log-completions-every", a.log_completions_every >= 0, "must be >= 0 (0: never)"),
+        # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
+        # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
+        ("--dtype", a.dtype != "float16", FP16_REFUSED),
+    ]  # fmt: skip
     for flag, ok, message in ranges:
-        cli.check(ok, flag, f"{message}, got {getattr(args, flag[2:].replace('-', '_'))}")
-    band = (args.kl_target_low, args.kl_target_high)
-    cli.check(
-        (band[0] is None) == (band[1] is None), "--kl-target-low/--kl-target-high", "give both or neither"
-    )
-    cli.check(
-        band[0] is None or 0 <= band[0] < band[1], "--kl-target-low", "must be >= 0 and < --kl-target-high"
-    )
-    cli.check(not (args.resume and args.overwrite), "--overwrite", "cannot be combined with --resume")
-    normalize_first = args.multi_objective_aggregation == "normalize_then_sum"
-    cli.check(
-        not (normalize_first and args.gate), "--gate", "has no meaning with normalize_then_sum (no total)"
-    )
+        cli.check(ok, flag, f"{message}, got {getattr(a, flag[2:].replace('-', '_'))}")
+    low, high = a.kl_target_low, a.kl_target_high
+    cli.check((low is None) == (high is None), "--kl-target-low/--kl-target-high", "give both or neither")
+    cli.check(low is None or 0 <= low < high, "--kl-target-low", "must be >= 0 and < --kl-target-high")
+    cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
+    normalize_first = a.multi_objective_aggregation == "normalize_then_sum"
+    cli.check(not (normalize_first and a.gate), "--gate", "has no meaning with normalize_then_sum (no total)")
     for flag, paths in (
-        ("--data", args.data),
-        ("--eval-data", [args.eval_data]),
-        ("--prompt-template", [args.prompt_template]),
+        ("--data", a.data),
+        ("--eval-data", [a.eval_data]),
+        ("--prompt-template", [a.prompt_template]),
     ):
         for path in paths:
             cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
     cli.check(
-        bool(args.reward or not args.data), "--reward", "is required with --data (e.g. --reward label format)"
+        bool(a.reward or not a.data), "--reward", "is required with --data (e.g. --reward label format)"
     )
+
+
+def sampler_options(args: Args, tokenizer) -> dict:
+    """The sampler's keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill)."""
+    return dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=data.suppressed_tokens(tokenizer),  # image tokens would have no pixels
+    )  # fmt: skip
+
+
+def loss_options(args: Args) -> dict:
+    """grpo_loss's keyword arguments that come straight from the flags: the objective and its variants."""
+    return dict(
+        loss_type=args.loss_type, clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
+        max_completion_length=args.max_new_tokens, importance_sampling_level=args.importance_sampling_level,
+        delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg, kl_bias_correction=args.use_bias_correction_kl,
+    )  # fmt: skip
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
@@ -666,51 +638,21 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     return rewards.parse_reward_specs(list(names), list(args.reward_weight) or None, list(args.gate) or None)
 
 
-def load_samples(args: Args) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples from --data/--eval-data or the built-in task."""
-    if args.data:
-        train = []
-        for path in args.data:
-            loaded = data.read_jsonl(path)
-            print(f"loaded {len(loaded)} samples from {path}")
-            train += loaded
-        held_out = data.read_jsonl(args.eval_data)[: args.eval_size] if args.eval_data else []
-    else:
-        train = data.make_task(args.task, args.train_size, seed=args.seed)
-        held_out = data.make_task(args.task, args.eval_size, split="test", seed=args.seed)
-    template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
-    return data.apply_prompt_template(train, template), data.apply_prompt_template(held_out, template)
-
-
-def batch_for_step(
-    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1
-) -> list[dict]:
-    """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
-    permutations; a pure function of the step (exact resume), whole groups per rank.
-    NOTE: `--adv-scale batch` therefore divides by the std of this rank's batch, not the global one."""
-    global_size = batch_size * world
-    per_epoch = max(len(samples) // global_size, 1)
-    epoch, k = divmod(step, per_epoch)
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
-    return global_batch[rank * batch_size : (rank + 1) * batch_size]
-
-
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
-    train_samples, held_out = load_samples(args)
+    train_samples, held_out = data.load_samples(
+        args.data, args.eval_data, task=args.task, train_size=args.train_size, eval_size=args.eval_size,
+        seed=args.seed, prompt_template=args.prompt_template,
+    )  # fmt: skip
     if world > 1 and len(train_samples) < args.batch_size * world:
         raise ValueError(
             f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
         )
     reward_fns = resolve_rewards(args, None if args.data else args.task)
     accuracy_name = args.accuracy_reward or reward_fns[0].name
-    cli.check(
-        accuracy_name in [r.name for r in reward_fns],
-        "--accuracy-reward",
-        f"{accuracy_name!r} is not a --reward",
-    )
+    names = [r.name for r in reward_fns]
+    cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     resized = data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
@@ -718,34 +660,25 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
+    lora_dtype = torch.float32 if args.lora_fp32 else None
     lora.inject_lora(
-        model,
-        last_k=args.lora_last_k,
-        r=args.lora_r,
-        alpha=args.lora_alpha,
-        dropout=args.lora_dropout,
-        dtype=torch.float32 if args.lora_fp32 else None,
-    )
+        model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+        dtype=lora_dtype,
+    )  # fmt: skip
     parts, record_block = speedup_parts(model, args)
     if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself
         speedups.enable_plain_checkpointing(model)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
+    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
     return Run(
-        model=model,
-        tokenizer=tokenizer,
-        image_processor=image_processor,
-        device=device,
-        optimizer=optimizer,
-        scheduler=grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps),
-        train_samples=train_samples,
-        held_out=held_out,
-        reward_fns=reward_fns,
-        accuracy_name=accuracy_name,
-        parts=parts,
-        record_block=record_block,
-        rank=rank,
-        world=world,
-    )
+        model=model, tokenizer=tokenizer, image_processor=image_processor, device=device,
+        optimizer=optimizer, scheduler=scheduler,
+        train_samples=train_samples, held_out=held_out, reward_fns=reward_fns, accuracy_name=accuracy_name,
+        sampling=sampler_options(args, tokenizer), loss=loss_options(args),
+        parts=parts, record_block=record_block, rank=rank, world=world,
+    )  # fmt: skip
 
 
 def speedup_parts(model: torch.nn.Module, args: Args) -> tuple[dict | None, torch.nn.Module | None]:
@@ -765,29 +698,6 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
         f"blocks, {sum(p.numel() for p in params):,} trainable parameters; {len(run.train_samples)} training "
         f"samples; {run.device}, {dtype}{ranks}"
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# The run folder: one run per folder (model_io.check_run_folder), written from the first step on
-
-
-def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, args: Args) -> None:
-    """The first write of a run (rank 0): clear what it replaces, or trim the logs of the resumed run to its
-    checkpoint (steps after it are redone), and record which run owns the folder."""
-    if mode == "replace":
-        for name in model_io.RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-        for folder in [*(out / name for name in model_io.RUN_FOLDERS), *out.glob("checkpoint-*")]:
-            shutil.rmtree(folder, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    if mode == "resume":
-        for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
-            logs.trim_jsonl(out / name, start_step)
-    record = {"run_id": run_id, "args": dataclasses.asdict(args)}
-    if mode != "resume" or not (out / "run.json").exists():
-        (out / "run.json").write_text(
-            json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -868,23 +778,10 @@ def evaluate(run: Run, args: Args) -> dict:
     totals, correct = [], []
     for i in range(0, len(run.held_out), 50):
         chunk = run.held_out[i : i + 50]
-        batch = data.prepare_prompts(
-            chunk,
-            run.tokenizer,
-            run.image_processor,
-            device=run.device,
-            max_prompt_length=args.max_prompt_length,
-        )
+        batch = prompt_batch(run, chunk, args)
+        greedy = {**run.sampling, "temperature": 0.0}
         ids, _ = speedups.sample(
-            run.model,
-            batch.inputs,
-            group_size=1,
-            shared_prefill=args.shared_prefill,
-            max_new_tokens=args.max_new_tokens,
-            temperature=0.0,
-            eos_token_id=run.tokenizer.eos_token_id,
-            pad_token_id=run.tokenizer.pad_token_id,
-            suppress_token_ids=data.suppressed_tokens(run.tokenizer),
+            run.model, batch.inputs, group_size=1, shared_prefill=args.shared_prefill, **greedy
         )
         mask, _ = grpo.completion_mask(ids, run.tokenizer.eos_token_id)
         texts = data.decode_completions(run.tokenizer, ids, mask)
@@ -900,75 +797,15 @@ def print_if(condition: bool, *values) -> None:
         print(*values)
 
 
-NO_SIGNAL_HINT = (
-    "{n} steps in a row without a learning signal: every group's completions got the same reward, so every "
-    "advantage is 0. Likely causes: a reward that is always 0 or always 1 on this data (look at a few with "
-    "--dry-run, or in rollouts.jsonl), --group-size {G} too small, or --temperature {T} too low for the "
-    "completions of a prompt to differ."
-)
-
-
-@dataclass
-class Log:
-    """What the writing rank keeps between steps: the tracker, the clock, streaks, the latest accuracy."""
-
-    out: Path
-    tracker: logs.Tracker | None
-    t_start: float
-    first_step: int
-    accuracy: float | None = None
-    no_signal_in_a_row: int = 0
-
-
-def log_step(
-    log: Log, record: dict, timings: dict, completions: list[dict], args: Args, bad_in_a_row: int
-) -> None:
-    """Append the step's metrics, timings and completions; print progress, skipped steps, missing signal."""
-    step = record["step"]
-    model_io.append_jsonl(log.out / "metrics.jsonl", record)
-    model_io.append_jsonl(log.out / "timings.jsonl", timings)
-    for row in completions:
-        model_io.append_jsonl(log.out / "rollouts.jsonl", row)
-    log.accuracy = record.get("eval/accuracy", log.accuracy)
-    if log.tracker is not None:
-        log.tracker.log(record, step)
-        if "eval/accuracy" in record and completions:
-            log.tracker.log_completions(completions[: args.group_size], step)
-    seconds_per_step = (time.time() - log.t_start) / (step - log.first_step)
-    if step % args.log_every == 0 or step == args.steps or record["skipped"]:
-        line = logs.progress_line(
-            step,
-            args.steps,
-            record,
-            seconds_per_step=seconds_per_step,
-            eta_seconds=seconds_per_step * (args.steps - step),
-            accuracy=log.accuracy,
-        )
-        logs.print_progress(line, tty=sys.stdout.isatty())
-    if record["skipped"]:
-        print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
-    log.no_signal_in_a_row = log.no_signal_in_a_row + 1 if record["frac_zero_std_groups"] == 1.0 else 0
-    if log.no_signal_in_a_row == 3:  # once per streak
-        hint = NO_SIGNAL_HINT.format(n=3, G=args.group_size, T=args.temperature)
-        print(f"\nwarning: {hint}", flush=True)
-
-
-def summarise(records: list[dict], out: Path, seconds: float) -> dict:
-    evals = [r for r in records if "eval/accuracy" in r]
-    summary = {"steps": records[-1]["step"], "wall_time_s": round(seconds, 1)}
-    if evals:
-        summary.update(accuracy_start=evals[0]["eval/accuracy"], accuracy_end=evals[-1]["eval/accuracy"])
-    print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
-    return summary
-
-
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     """The final adapter, the curves and the summary (rank 0)."""
     print()
     lora.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logs.plot_curves(records, out / "curves.png")
-    return summarise(records, out, seconds)
+    summary = logs.run_summary(records, seconds)
+    print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
+    return summary
 
 
 def dry_run(run: Run, args: Args) -> dict:
@@ -976,7 +813,7 @@ def dry_run(run: Run, args: Args) -> dict:
     print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
     params = lora.lora_parameters(run.model)
     print(f"trainable parameters: {sum(p.numel() for p in params):,} in {len(params) // 2} LoRA modules")
-    ro = rollout(run, batch_for_step(run.train_samples, 0, args.batch_size, args.seed), args)
+    ro = rollout(run, data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed), args)
     frozen_logprobs(run, ro, args)
     loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.beta)  # no optimizer step
     run.model.zero_grad(set_to_none=True)
@@ -1017,12 +854,15 @@ def main(args: Args) -> dict:
         stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
         log = None
         if writer:
-            open_run_folder(out, mode, run_id, start_step, args)
+            model_io.open_run_folder(out, mode, run_id, start_step, dataclasses.asdict(args))
             with cli.user_errors():
                 tracker = logs.open_tracker(args.report_to, out, dataclasses.asdict(args), run_name=out.name)
-            log = Log(out, tracker, time.time(), start_step, accuracy=(first or {}).get("eval/accuracy"))
+            log = logs.StepLog(
+                out, tracker, time.time(), start_step, args.steps, args.log_every, args.group_size,
+                args.temperature, accuracy=(first or {}).get("eval/accuracy"),
+            )  # fmt: skip
             if first is not None:
-                model_io.append_jsonl(out / "metrics.jsonl", first)
+                logs.append_jsonl(out / "metrics.jsonl", first)
                 if tracker is not None:
                     tracker.log(first, 0)
         distributed.barrier()
@@ -1034,15 +874,9 @@ def main(args: Args) -> dict:
 
 
 def train_loop(
-    run: Run,
-    args: Args,
-    stop: cli.Signals,
-    log: Log | None,
-    out: Path,
-    start_step: int,
-    beta: float,
-    run_id: str,
-) -> dict:
+    run: Run, args: Args, stop: cli.Signals, log: logs.StepLog | None, out: Path, start_step: int,
+    beta: float, run_id: str,
+) -> dict:  # fmt: skip
     """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
     bad_in_a_row = 0
     for step in range(start_step + 1, args.steps + 1):
@@ -1055,7 +889,7 @@ def train_loop(
         ):  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
             if run.held_out and (step % args.eval_every == 0 or step == args.steps):
                 record.update(evaluate(run, args))
-            log_step(log, record, timings, completions, args, bad_in_a_row)
+            log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
         if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
             save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)

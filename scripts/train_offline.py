@@ -79,6 +79,7 @@ import cli
 import data
 import distributed
 import grpo
+import logs
 import lora
 import model_io
 
@@ -508,7 +509,7 @@ def end_epoch(
     if record["best"]:  # save_checkpoint writes best.tmp and swaps it in: best/ is never half-written
         save(out / "best", model, optimizer, record, args, None)
         best = value
-    model_io.append_jsonl(out / "metrics.jsonl", record)
+    logs.append_jsonl(out / "metrics.jsonl", record)
     print(describe(record))
     return best
 
@@ -692,7 +693,7 @@ def main(args: Args) -> dict:
         batches = with_logprobs(model, batches, inputs_of, "ref_logp", adapters=False)
     if args.old_logp_from == "init":
         batches = with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
-    model_io.append_jsonl(out / "metrics.jsonl", {"epoch": 0, **validate(model, val_batches, inputs_of)})
+    logs.append_jsonl(out / "metrics.jsonl", {"epoch": 0, **validate(model, val_batches, inputs_of)})
     best: list[float | None] = [None]  # the running best --best-by value, shared by both phases
 
     def finish(optimizer, record: dict) -> None:  # validate, checkpoint, best/, log

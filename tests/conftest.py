@@ -99,4 +99,7 @@ def make_run(model, args, **fields):
     import train
 
     parts, record_block = train.speedup_parts(model, args)
-    return train.Run(model=model, parts=parts, record_block=record_block, **fields)
+    tokenizer = fields.get("tokenizer")
+    sampling = train.sampler_options(args, tokenizer) if tokenizer is not None else {}
+    options = dict(sampling=sampling, loss=train.loss_options(args), parts=parts, record_block=record_block)
+    return train.Run(model=model, **options, **fields)

@@ -120,7 +120,7 @@ def fixed_rollout(tmp_path_factory) -> Path:
     log-probs."""
     model, tokenizer, image_processor = tiny_model_with_lora()
     args = update_args("dapo")
-    prompts = train.batch_for_step(data.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    prompts = data.batch_for_step(data.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
     reward_fns = train.resolve_rewards(args, "inspection")
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
@@ -184,9 +184,9 @@ def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_pr
 def test_ranks_take_consecutive_slices_of_one_global_batch_and_one_rank_is_the_plain_batch():
     samples = [{"id": i} for i in range(10)]
     for step in range(4):  # crosses an epoch boundary (10 // 4 = 2 global batches per epoch)
-        slices = [train.batch_for_step(samples, step, 2, 0, r, 2) for r in range(2)]
-        assert slices[0] + slices[1] == train.batch_for_step(samples, step, 4, 0)
-        assert train.batch_for_step(samples, step, 2, 0, 0, 1) == train.batch_for_step(samples, step, 2, 0)
+        slices = [data.batch_for_step(samples, step, 2, 0, r, 2) for r in range(2)]
+        assert slices[0] + slices[1] == data.batch_for_step(samples, step, 4, 0)
+        assert data.batch_for_step(samples, step, 2, 0, 0, 1) == data.batch_for_step(samples, step, 2, 0)
 
 
 FLAGS = (

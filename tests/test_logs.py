@@ -17,29 +17,6 @@ import logs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# --- JSONL files ------------------------------------------------------------------------------------------
-
-
-def test_trim_jsonl_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": s, "label": "通过", "loss": s / 3}, ensure_ascii=False) for s in range(6)]
-    # the crash cut the last line inside a 3-byte UTF-8 character
-    torn = json.dumps({"step": 6, "label": "通过"}, ensure_ascii=False).encode()[:-4]
-    path.write_bytes(("\n".join(lines) + "\n").encode() + torn)
-    logs.trim_jsonl(path, last_step=3)
-    assert path.read_text(encoding="utf-8") == "\n".join(lines[:4]) + "\n"  # kept lines byte for byte
-    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left behind
-
-
-def test_trim_jsonl_drops_a_torn_line_even_below_the_step_and_ignores_a_missing_file(tmp_path):
-    path = tmp_path / "rollouts.jsonl"
-    path.write_text('{"step": 1, "completion": "a"}\n{"step": 2, "compl')
-    logs.trim_jsonl(path, last_step=10)
-    assert path.read_text() == '{"step": 1, "completion": "a"}\n'
-    logs.trim_jsonl(tmp_path / "absent.jsonl", last_step=3)
-    assert not (tmp_path / "absent.jsonl").exists()
-
-
 # --- rollout records --------------------------------------------------------------------------------------
 
 

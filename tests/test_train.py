@@ -68,7 +68,7 @@ def make_rollout(
 ) -> tuple[train.Run, train.Rollout]:
     """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
     samples = data.make_task(args.task, args.train_size, seed=args.seed)
-    prompts = train.batch_for_step(samples, step, args.batch_size, args.seed)
+    prompts = data.batch_for_step(samples, step, args.batch_size, args.seed)
     reward_fns = train.resolve_rewards(args, args.task)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
     torch.manual_seed(1000 + step)  # the sampling draws
