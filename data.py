@@ -36,7 +36,7 @@ import json
 import random
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -171,6 +171,34 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
         raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
 
 
+IMAGE_ABLATIONS = ("blank", "shuffle")
+
+
+def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict]:
+    """The samples with their images taken away, to see whether a policy looks at them: "blank" replaces each
+    image by a uniform grey one of the same size (the same number of image tokens); "shuffle" hands the
+    images to other slots across the samples (each sample keeps its image count; a seeded permutation in
+    which no image keeps its own slot, so one may still land in another slot of its own sample)."""
+    if mode not in IMAGE_ABLATIONS:
+        raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
+    images = [image for sample in samples for image in sample.get("images") or []]
+    if mode == "blank":
+        sizes = [load_image(image, sample).size for sample in samples for image in sample.get("images") or []]
+        replaced = [Image.new("RGB", size, (128, 128, 128)) for size in sizes]
+    else:
+        order = random.Random(seed).sample(range(len(images)), len(images))
+        # Slot order[j] takes the image of slot order[j - 1]: a cycle through every slot, no fixed point.
+        replaced = list(images)
+        for j in range(len(order)):
+            replaced[order[j]] = images[order[j - 1]]
+    out, taken = [], 0
+    for sample in samples:
+        n = len(sample.get("images") or [])
+        out.append({**sample, "images": replaced[taken : taken + n]} if n else sample)
+        taken += n
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Chat text and tensors
 
@@ -229,6 +257,8 @@ class PromptBatch:
 
     inputs: dict[str, torch.Tensor]
     images_per_row: list[int]
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (w, h) of each original
+    resized_sizes: list[tuple[int, int]] = field(default_factory=list)  # (w, h) the model sees
 
     @property
     def prompt_length(self) -> int:
@@ -251,15 +281,16 @@ def prepare_prompts(
         images.extend(sample_images)
         images_per_row.append(len(sample_images))
 
-    inputs: dict[str, torch.Tensor] = {}
+    inputs, resized = {}, []
     if images:
         if image_processor is None:
             raise ValueError(f"{location(samples[0])}: a text-only model (no image processor) got images")
         vision = image_processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
         tokens_per_image = (grid.prod(-1) // image_processor.merge_size**2).tolist()
-        texts = _expand_image_pads(texts, images_per_row, tokens_per_image)
+        texts = _expand_image_pads(texts, tokens_per_image)
         inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
+        resized = [tuple(s) for s in (grid[:, 1:].flip(-1) * image_processor.patch_size).tolist()]  # (w, h)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     for sample, row in zip(samples, ids):
         _check_prompt_length(sample, len(row), max_prompt_length)
@@ -273,7 +304,7 @@ def prepare_prompts(
         is_image = input_ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         inputs["mm_token_type_ids"] = is_image.long() * attention_mask
     inputs = {key: value.to(device) for key, value in inputs.items()}
-    return PromptBatch(inputs=inputs, images_per_row=images_per_row)
+    return PromptBatch(inputs, images_per_row, [im.size for im in images], resized)
 
 
 def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
@@ -302,6 +333,23 @@ class ResizeReport:
 
     count: int = 0
     largest: tuple[int, int] | None = None  # (width, height) of the largest such original
+
+
+def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """--min-pixels / --max-pixels: the pixel counts a Qwen-VL processor resizes each image into (None: the
+    checkpoint's own). Set on the processor itself, so prompts, the prompt-length check and sizes agree."""
+    if image_processor is None or (min_pixels is None and max_pixels is None):
+        return
+    low = min_pixels if min_pixels is not None else image_processor.size["shortest_edge"]
+    high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
+    if not 0 < low <= high:
+        raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
+    # transformers 5 keeps them as size["shortest_edge"] / size["longest_edge"] (pixel counts despite the
+    # names); older processors had min_pixels / max_pixels attributes.
+    image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
+    for name, value in (("min_pixels", low), ("max_pixels", high)):
+        if getattr(image_processor, name, None) is not None:
+            setattr(image_processor, name, value)
 
 
 def image_pixel_budget(image_processor) -> int | None:
@@ -361,13 +409,12 @@ def describe_resizes(report: ResizeReport, budget: int) -> str | None:
     )
 
 
-def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_image: list[int]) -> list[str]:
+def _expand_image_pads(texts: list[str], tokens_per_image: list[int]) -> list[str]:
     """Replace the k-th `<|image_pad|>` of the batch by as many copies as image k has visual tokens."""
     counts = iter(tokens_per_image)
     out = []
-    for text, n_images in zip(texts, images_per_row):
+    for text in texts:
         pieces = text.split(IMAGE_PAD)
-        assert len(pieces) == n_images + 1  # checked per sample in prepare_prompts
         expanded = pieces[0]
         for piece in pieces[1:]:
             expanded += IMAGE_PAD * next(counts) + piece
@@ -375,29 +422,64 @@ def _expand_image_pads(texts: list[str], images_per_row: list[int], tokens_per_i
     return out
 
 
-def suppressed_tokens(tokenizer) -> list[int]:
-    """Special tokens a completion must never contain: vision markers and chat control, except EOS."""
-    # NOTE: a tokenizer without these tokens maps them to its unk id (or None); those are not suppressed.
-    # (No `t in tokenizer.get_vocab()`: that builds a 151k-entry dict per call, and this runs every step.)
-    vision = {
-        tokenizer.convert_tokens_to_ids(t) for t in (IMAGE_PAD, VISION_START, VISION_END, "<|video_pad|>")
-    }
-    ids = set(tokenizer.all_special_ids) | (vision - {None, tokenizer.unk_token_id})
-    ids.discard(tokenizer.eos_token_id)
-    return sorted(ids)
+# Qwen-VL's grounding markers: special tokens a completion may contain (Qwen2-VL writes its boxes as
+# <|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>).
+GROUNDING_TOKENS = (
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+    "<|quad_end|>",
+)  # fmt: skip
 
 
-def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """The text of each completion (N, T) up to its first EOS (mask (N, T)), special tokens dropped."""
-    return tokenizer.batch_decode(
-        completion_ids.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True
+def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and those the checkpoint's generation config lists
+    (Qwen-VL Instruct lists <|im_end|> and <|endoftext|>): generate would stop on any of them."""
+    listed = getattr(generation_config, "eos_token_id", None)
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    return sorted({tokenizer.eos_token_id, *listed} - {None})
+
+
+def _ids_of(tokenizer, tokens) -> set[int]:
+    """Ids of the tokens the tokenizer has; a missing one maps to its unk id (or None) and is left out."""
+    return {tokenizer.convert_tokens_to_ids(t) for t in tokens} - {None, tokenizer.unk_token_id}
+
+
+def suppressed_tokens(tokenizer, eos_ids: Sequence[int] | None = None) -> list[int]:
+    """Special tokens a completion must never contain: vision markers and chat control (every special token
+    but the end-of-turn ids `eos_ids`, default the tokenizer's EOS, and the grounding markers)."""
+    vision = _ids_of(tokenizer, (IMAGE_PAD, VISION_START, VISION_END, "<|video_pad|>"))
+    allowed = set(eos_ids or [tokenizer.eos_token_id]) | _ids_of(tokenizer, GROUNDING_TOKENS)
+    return sorted((set(tokenizer.all_special_ids) | vision) - allowed)
+
+
+def decode_completions(
+    tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, eos_ids: Sequence[int] | None = None
+) -> list[str]:
+    """Each row's text up to its end of turn (mask), special tokens left out except the grounding markers."""
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(
+        tokenizer.all_special_ids
     )
+    dropped = (special | set(eos_ids or [tokenizer.eos_token_id])) - _ids_of(tokenizer, GROUNDING_TOKENS)
+    keep = mask & ~torch.isin(completion_ids, torch.tensor(sorted(dropped), device=completion_ids.device))
+    return tokenizer.batch_decode([ids[k].tolist() for ids, k in zip(completion_ids, keep)])
+
+
+def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
+    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
+    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
+    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
+    if frame is None:
+        return samples
+    first_image = [sum(batch.images_per_row[:i]) for i in range(len(samples))]
+    return [
+        {**s, "grounding": {"frame": frame, "original_size": list(batch.image_sizes[k]),
+                            "resized_size": list(batch.resized_sizes[k])}} if n else s
+        for s, k, n in zip(samples, first_image, batch.images_per_row)
+    ]  # fmt: skip
 
 
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
-    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images.
-    The flat `pixel_values` and `image_grid_thw` are cut into per-row blocks, each repeated G times in place,
-    so that row r's text is always followed by row r's pixels."""
+    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
+    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
     G = group_size
     out: dict[str, torch.Tensor] = {}
     for key in ("input_ids", "attention_mask", "mm_token_type_ids"):

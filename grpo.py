@@ -292,13 +292,15 @@ def grpo_loss(
 # --- which tokens count -------------------------------------------------------------------------------------
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask(
+    completion_ids: torch.Tensor, eos_token_id: int | Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss mask (N, T) and `truncated` (N,), from each row's length, never from token values: a row runs up
     to and including its first EOS, what follows is padding whatever its value (so pad == eos is safe); a
     row without EOS was cut at max_new_tokens (all T count). An EOS-first row has length 1: a decision too.
-    """
+    `eos_token_id`: one id or several (a checkpoint may end a turn on <|im_end|> or <|endoftext|>)."""
     T = completion_ids.shape[1]
-    is_eos = completion_ids == eos_token_id  # (N, T)
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))  # (N, T)
     truncated = ~is_eos.any(dim=1)  # (N,)
     if T == 0:  # NOTE: nothing generated (max_new_tokens == 0); avoids argmax of an empty dim
         return is_eos, truncated
@@ -325,7 +327,6 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
-        # One (T, V) upcast (plus logsumexp's temporaries) is alive at a time, never an (N, T, V) one.
         lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
         picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
         ctx.save_for_backward(logits, index, lse)
@@ -376,9 +377,8 @@ def logprobs_from_logits(
 
 def check_inputs(inputs: dict[str, torch.Tensor]) -> None:
     """Refuse prompt batches that generation and the recompute would silently read differently."""
-    unknown = set(inputs) - set(INPUT_KEYS)
-    if unknown:
-        raise ValueError(f"unexpected prompt inputs {sorted(unknown)}; expected a subset of {INPUT_KEYS}")
+    if set(inputs) - set(INPUT_KEYS):
+        raise ValueError(f"unexpected prompt inputs {sorted(inputs)}; expected a subset of {INPUT_KEYS}")
     # NOTE: with right padding the completion would follow pad tokens; generate only warns about it.
     if not bool(inputs["attention_mask"][:, -1].all()):
         raise ValueError("prompts must be LEFT-padded: attention_mask[:, -1] must be 1 on every row")
@@ -448,11 +448,11 @@ NO_OTHER_PROCESSORS = dict(
 
 
 def check_sampling(
-    temperature: float, top_p: float, eos_token_id: int, suppress_token_ids: Sequence[int]
+    temperature: float, top_p: float, eos_token_id: int | Sequence[int], suppress_token_ids: Sequence[int]
 ) -> None:
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature=}, {top_p=}")
-    if eos_token_id in suppress_token_ids:
+    if set(torch.as_tensor(eos_token_id).reshape(-1).tolist()) & set(suppress_token_ids):
         raise ValueError("suppress_token_ids must not contain eos_token_id: the model could never stop")
 
 
@@ -464,7 +464,7 @@ def sample_completions(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
     return_logprobs: bool = False,
@@ -480,7 +480,7 @@ def sample_completions(
         **inputs, **NO_OTHER_PROCESSORS, max_new_tokens=max_new_tokens, do_sample=sample,
         temperature=temperature if sample else None, top_p=top_p if sample else None,
         suppress_tokens=list(suppress_token_ids) or None, num_return_sequences=num_return_sequences,
-        # A single EOS id: a checkpoint's list of several would end rows on tokens we do not treat as EOS.
+        # Given explicitly: the checkpoint's own list would otherwise be used, and completion_mask must agree.
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs,
     )  # fmt: skip

@@ -3,7 +3,8 @@
 Every reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`. `sample` is the
 dataset sample dict, passed through untouched, so a reward reads whatever ground truth it needs
 (`sample["label"]`, `sample["answer"]`, `sample["bbox"]`). This module uses the Python standard library
-only and imports nothing from the project, so it can be copied alone into another codebase.
+only and imports nothing from the project but grounding.py (stdlib only too), so the two can be copied
+together into another codebase.
 
 Built-ins (`BUILTIN_REWARDS` name -> function):
     label               1 if the verdict on the first line equals `sample["label"]`, else 0. The first line
@@ -25,17 +26,37 @@ Built-ins (`BUILTIN_REWARDS` name -> function):
     think_answer_format 1 if the completion is `<think>…</think><answer>…</answer>`, whitespace allowed
                         between and around the blocks, nothing else outside, each tag exactly once, and both
                         blocks non-empty (an empty think block is a collapse we do not want to pay for).
-    iou                 IoU of the last JSON list of four finite numbers `[x1, y1, x2, y2]` in the answer
-                        text with `sample["bbox"]`; continuous coordinates (area = (x2-x1)*(y2-y1), no +1).
-                        No box, malformed JSON or a degenerate box (x2 <= x1 or y2 <= y1) -> 0.
+    iou                 IoU of the LAST box of the answer text with `sample["bbox"]` (grounding.iou_reward);
+                        continuous coordinates (area = (x2-x1)*(y2-y1), no +1). A box is a JSON list of four
+                        finite numbers `[x1, y1, x2, y2]` (bare or in `{"bbox_2d": ...}`) or Qwen2-VL's
+                        `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`; degenerate boxes (x2 <= x1 or y2 <= y1)
+                        are skipped. No box -> 0.
     overlong            DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), from the completion's token
                         count L, not its text. With L_max = `max_length` and L_cache = `cache_length`:
                         0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache up to L_max; -1 beyond.
                         `max_length` and `cache_length` have no defaults: bind them with `load_reward(
                         "overlong", max_length=..., cache_length=...)` or `functools.partial`.
 
-"Answer text" (exact_match, answer_match, numeric_match, iou) is the content of the last
-`<answer>…</answer>` block when there is one, else the whole completion; so these compose with
+Grounding built-ins (in `BUILTIN_REWARDS` too, all in grounding.py, which explains the coordinate frames; the
+ground truth is in ORIGINAL-image pixels, and the prediction is mapped there from the model's frame when the
+sample has `"grounding": {"frame", "original_size", "resized_size"}`, else taken as is; `iou` does the same):
+    box_iou_mean        multi-box: the one-to-one matching of predicted and `sample["boxes"]` (else
+                        [`sample["bbox"]`]) with the largest total IoU (exact, Hungarian), that total over
+                        max(#pred, #gt).
+    box_f1              multi-box F1 = 2 TP / (#pred + #gt), TP the most one-to-one pairs at IoU >= 0.5
+                        (`iou_threshold`, keyword-only, bindable with load_reward).
+                        Both multi-box rewards give 1 when the ground truth has no box and none is predicted.
+    point_in_box        share of the predicted points (`{"point_2d": [x, y]}`, `[x, y]`, `(x,y)`) inside any
+                        ground-truth box (edges inside); no point -> 0.
+    point_in_region     share of the predicted points inside `sample["region"]`, a list of polygons of [x, y]
+                        vertices (even-odd rule: a polygon inside another is a hole; edges inside).
+    negative_points     share of the predicted points outside the region (not on its edge) and, when the
+                        sample has `"margin"` (pixels), within that distance of the region's boundary.
+    count               1 if the number of boxes listed (points, when there is no box) equals
+                        `sample["count"]`, else 0; `load_reward("count", graded=True)` gives partial credit.
+
+"Answer text" (exact_match, answer_match, numeric_match, iou and the grounding rewards) is the content of
+the last `<answer>…</answer>` block when there is one, else the whole completion; so these compose with
 `think_answer_format` and also work on bare answers.
 
 Verdict vocabulary (label, format): `通过` / `不通过` and `pass` / `fail` (English case-insensitive), with
@@ -63,7 +84,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import numbers
 import os
@@ -73,6 +93,8 @@ import traceback
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import grounding
 
 RewardFn = Callable[..., float]
 
@@ -184,46 +206,9 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
 
 # --- boxes ------------------------------------------------------------------------------------------------
 
-_FLAT_LIST_RE = re.compile(r"\[[^\[\]]*\]")  # innermost brackets: "[[1,2,3,4]]" yields the inner box
-
-
-def _as_box(value: Any) -> tuple[float, float, float, float] | None:
-    """Four finite real numbers (not bools) as floats, else None."""
-    if not isinstance(value, list) or len(value) != 4:
-        return None
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) for v in value):
-        return None  # json.loads accepts NaN/Infinity, hence the isfinite
-    x1, y1, x2, y2 = (float(v) for v in value)
-    return x1, y1, x2, y2
-
-
-def _box_area(box: tuple[float, float, float, float]) -> float:
-    x1, y1, x2, y2 = box
-    return max(0.0, x2 - x1) * max(0.0, y2 - y1)
-
-
-def iou_reward(completion: str, sample: Mapping[str, Any]) -> float:
-    """IoU in [0, 1] of the last [x1, y1, x2, y2] JSON box in the answer text with sample["bbox"]."""
-    gold = _as_box(list(sample["bbox"]))
-    if gold is None or _box_area(gold) <= 0:
-        raise ValueError(
-            f"sample bbox {sample['bbox']!r} is not a box [x1, y1, x2, y2] with x2 > x1, y2 > y1"
-        )
-    pred = None
-    for candidate in reversed(_FLAT_LIST_RE.findall(_answer_text(completion))):
-        try:
-            pred = _as_box(json.loads(candidate))
-        except json.JSONDecodeError:
-            continue
-        if pred is not None:
-            break
-    # NOTE: a degenerate prediction (zero or negative area) earns 0, not a division by zero.
-    if pred is None or _box_area(pred) <= 0:
-        return 0.0
-    inter = _box_area(
-        (max(pred[0], gold[0]), max(pred[1], gold[1]), min(pred[2], gold[2]), min(pred[3], gold[3]))
-    )
-    return inter / (_box_area(pred) + _box_area(gold) - inter)
+# NOTE: grounding.py owns box parsing and the coordinate frames; its `iou` maps the prediction with
+# sample["grounding"] when the trainer sets it, and is the plain IoU (identity frame) when it does not.
+iou_reward = grounding.iou_reward
 
 
 # --- length -----------------------------------------------------------------------------------------------
@@ -252,6 +237,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "think_answer_format": think_answer_format,
     "iou": iou_reward,
     "overlong": overlong_penalty,
+    # the other grounding rewards (grounding.py explains the coordinate frames)
+    **{name: fn for name, fn in grounding.REWARDS.items() if name != "iou"},
 }
 
 

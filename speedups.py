@@ -123,7 +123,7 @@ def sample_shared_prefill(
     max_new_tokens: int,
     temperature: float,
     top_p: float = 1.0,
-    eos_token_id: int,
+    eos_token_id: int | Sequence[int],
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
     record_block: torch.nn.Module | None = None,
@@ -154,13 +154,14 @@ def sample_shared_prefill(
         suppressed = torch.zeros(V, dtype=torch.bool, device=logits.device)  # (V,)
         suppressed[list(suppress_token_ids)] = True
         running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
+        ends = torch.as_tensor(eos_token_id, device=logits.device).reshape(-1)  # one id or several
         tokens = []
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
             token = torch.where(running, token, pad_token_id)
             tokens.append(token)
-            running &= token != eos_token_id
+            running &= ~torch.isin(token, ends)  # any end-of-turn id ends the row
             if t == max_new_tokens - 1 or not running.any():
                 break
             mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)  # (N, P + t + 1)

@@ -23,6 +23,7 @@ This file holds the configuration (`Args`), the step, then set-up, resume, check
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -38,6 +39,7 @@ import tyro
 import cli
 import data
 import distributed
+import grounding
 import grpo
 import logs
 import lora
@@ -74,6 +76,14 @@ class Args:
     """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
     max_prompt_length: int = 4096
     """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
+    """The frame the model writes box and point coordinates in, for the grounding rewards (grounding.py):
+    absolute pixels of the resized image (Qwen2.5-VL) or a 0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the
+    model's config. Ground truth stays in original-image pixels."""
+    min_pixels: int | None = None
+    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
+    max_pixels: int | None = None
+    """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
 
     # --- lora ---
     lora_last_k: int = 4
@@ -111,7 +121,11 @@ class Args:
     answer_match: the same after normalising case, spaces and punctuation;
     numeric_match: the last number of the answer is close to the sample's "answer";
     think_answer_format: <think>...</think><answer>...</answer> and nothing else;
-    iou: IoU in [0, 1] of the last [x1, y1, x2, y2] box of the answer with the sample's "bbox".
+    iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
+    box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
+    point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons
+    "region", or outside them within "margin"; count: the number of boxes (or points) equals "count".
+    The grounding rewards read coordinates in --box-frame and compare in original pixels (grounding.py).
     Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
     reward_weight: tuple[float, ...] = ()
     """One weight per --reward (default 1.0 each)."""
@@ -219,6 +233,9 @@ class Args:
     Its package must be installed (none of them is a dependency)."""
     eval_every: int = 25
     """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
+    eval_image_ablation: Literal["none", "blank", "shuffle"] = "none"
+    """Also evaluate the held-out samples with every image grey (blank) or the images permuted across samples
+    (shuffle), logged as eval/accuracy_<mode> and eval/reward_<mode>: does the policy look at the images?"""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end)."""
     keep_last: int = 2
@@ -250,8 +267,10 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     train_samples: list[dict] = dataclasses.field(default_factory=list)
     held_out: list[dict] = dataclasses.field(default_factory=list)
+    held_out_ablated: list[dict] = dataclasses.field(default_factory=list)  # --eval-image-ablation's samples
     reward_fns: list[rewards.Reward] = dataclasses.field(default_factory=list)
     accuracy_name: str = ""
+    box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampler_options`)
     loss: dict = dataclasses.field(
         default_factory=dict
@@ -345,16 +364,17 @@ def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -
     else:  # the reference sampler: one generate call
         ids, _ = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **run.sampling)
         recording = None
-    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (N, T), (N,)
-    texts = data.decode_completions(tokenizer, ids, mask)
+    mask, truncated = grpo.completion_mask(ids, run.sampling["eos_token_id"])  # (N, T), (N,)
+    texts = data.decode_completions(tokenizer, ids, mask, run.sampling["eos_token_id"])
+    if run.box_frame:  # the image's frame, for rewards that read coordinates (grounding.py)
+        prompts = data.with_grounding(prompts, batch, run.box_frame)
     samples = [s for s in prompts for _ in range(G)]
     scores = rewards.score(texts, samples, run.reward_fns, completion_lengths=mask.sum(1).tolist())
     if args.mask_truncated:  # NOTE: after scoring: they are still scored and logged, they carry no gradient
         mask = mask & ~truncated[:, None]
-    reward = torch.tensor(scores.total, dtype=torch.float32, device=run.device)  # (N,)
-    components = {
-        k: torch.tensor(v, dtype=torch.float32, device=run.device) for k, v in scores.components.items()
-    }
+    as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
+    reward = as_floats(scores.total)  # (N,)
+    components = {name: as_floats(values) for name, values in scores.components.items()}
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
     return Rollout(
         inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
@@ -372,26 +392,70 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
     --max-sampling-rounds rounds were drawn; then train on what there is, topped up to B with dropped groups
     (they add only their KL term). Round r > 0 of a step takes batch index EXTRA_ROUNDS + (step - 1) *
     (rounds - 1) + r - 1: a pure function of (step, round), so --resume stays exact with no stream to save.
-    Under torchrun every rank keeps its own B groups; the ranks draw the same number of rounds."""
-    B, G, extra = args.batch_size, args.group_size, args.max_sampling_rounds - 1
-    kept, spare, sampled, rounds = [], [], 0, 1
+    Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: the
+    first B*R groups with a signal, in (round, rank, group) order; rank r trains on [r*B, (r+1)*B) of them."""
+    B, G, R = args.batch_size, args.group_size, run.world
+    rounds, signal = [ro], []  # this rank's rollouts; every rank's groups' flags, in global order
     while True:
-        for g in range(len(ro.samples) // G):
-            rows = slice(g * G, (g + 1) * G)
-            (kept if bool((ro.reward[rows] != ro.reward[rows][0]).any()) else spare).append((ro, rows))
-        sampled += len(ro.samples) // G
-        if not distributed.any_rank(len(kept) < B) or rounds == args.max_sampling_rounds:
+        flags = [bool((ro.reward[g * G : (g + 1) * G] != ro.reward[g * G]).any()) for g in range(B)]
+        signal += distributed.gather_lists(flags) if R > 1 else flags
+        if sum(signal) >= B * R or len(rounds) == args.max_sampling_rounds:
             break
-        index = EXTRA_ROUNDS + (step - 1) * extra + rounds - 1  # a stream of its own, disjoint from the steps
-        prompts = data.batch_for_step(run.train_samples, index, B, args.seed, run.rank, run.world)
-        ro, rounds = rollout(run, prompts, args, chunks=False), rounds + 1
-    chosen = (kept + spare)[:B]
+        prompts = data.batch_for_step(
+            run.train_samples, round_index(step, len(rounds), args), B, args.seed, run.rank, R
+        )
+        ro = rollout(run, prompts, args, chunks=False)
+        rounds.append(ro)
+    order = [i for i, s in enumerate(signal) if s] + [i for i, s in enumerate(signal) if not s]
     counts = {
-        "dynamic/groups_sampled": sampled,
-        "dynamic/groups_kept": min(len(kept), B),
-        "dynamic/rounds": rounds,
+        "dynamic/groups_sampled": len(signal),
+        "dynamic/groups_kept": min(sum(signal), B * R),
+        "dynamic/rounds": len(rounds),
     }
-    return rollout_of_groups(run, chosen, args), counts
+    chosen = order[: B * R][run.rank * B : (run.rank + 1) * B]  # global group i: round, rank, group
+    return rollout_of_groups(run, fetch_groups(run, rounds, chosen, step, args), args), counts
+
+
+def round_index(step: int, k: int, args: Args) -> int:
+    """The batch index of dynamic sampling's round k of a step: the step's own for k = 0, else a stream of
+    its own, disjoint from the steps'."""
+    return step - 1 if k == 0 else EXTRA_ROUNDS + (step - 1) * (args.max_sampling_rounds - 1) + k - 1
+
+
+def fetch_groups(
+    run: Run, rounds: list[Rollout], wanted: list[int], step: int, args: Args
+) -> list[tuple[Rollout, slice]]:
+    """The groups `wanted` (global indices: round, then rank, then group), wherever they were sampled: every
+    rank shares its groups' completions and scores (small data); a group's sample is re-derived from (step,
+    round, rank), a pure function, rather than sent."""
+    B, G, R, K = args.batch_size, args.group_size, run.world, len(rounds)
+    fields = ("completion_ids", "mask", "truncated", "reward")
+
+    def shared(ro: Rollout, rows: slice) -> dict:  # one group as plain lists
+        components = {k: v[rows].tolist() for k, v in ro.components.items()}
+        return {
+            **{f: getattr(ro, f)[rows].tolist() for f in fields},
+            "texts": ro.texts[rows],
+            "components": components,
+        }
+
+    mine = [shared(ro, slice(g * G, (g + 1) * G)) for ro in rounds for g in range(B)]
+    every = distributed.gather_lists(mine) if R > 1 else mine  # rank r's round k group g: (r * K + k) * B + g
+    groups = []
+    for i in wanted:
+        k, r, g = i // (B * R), i // B % R, i % B
+        group = every[(r * K + k) * B + g]
+        sample = data.batch_for_step(run.train_samples, round_index(step, k, args), B, args.seed, r, R)[g]
+        as_tensor = functools.partial(torch.tensor, device=run.device)
+        ro = Rollout(
+            inputs={}, completion_ids=as_tensor(group["completion_ids"]), mask=as_tensor(group["mask"]),
+            truncated=as_tensor(group["truncated"]), texts=group["texts"], samples=[sample] * G,
+            reward=as_tensor(group["reward"], dtype=torch.float32),
+            components={name: as_tensor(v, dtype=torch.float32) for name, v in group["components"].items()},
+            adv=torch.zeros(G), chunks=[],
+        )  # fmt: skip
+        groups.append((ro, slice(0, G)))
+    return groups
 
 
 def rollout_of_groups(run: Run, groups: list[tuple[Rollout, slice]], args: Args) -> Rollout:
@@ -430,9 +494,7 @@ def advantages(
             reward, args.group_size, scale=args.adv_scale, clip=args.adv_clip, baseline=args.adv_baseline
         )
     weights = torch.tensor([r.weight for r in run.reward_fns])  # (K,)
-    summed = grpo.normalized_reward_sum(
-        torch.stack(list(components.values()), dim=1), weights, args.group_size
-    )
+    summed = grpo.normalized_reward_sum(torch.stack(list(components.values()), 1), weights, args.group_size)
     return grpo.group_advantages(summed, args.group_size, scale="batch", clip=args.adv_clip, baseline="batch")
 
 
@@ -489,18 +551,17 @@ def accumulate_policy_gradient(
         num_rows, num_tokens = distributed.batch_counts(ro.mask)  # all ranks' rows and tokens
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in ro.chunks:
-        rows = chunk.rows
         logp, entropy = chunk_logprobs(run, chunk, args, return_entropy=True)  # (n, T) with grad
-        old_logp = ro.old_logp[rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
-        ref_logp = ro.ref_logp[rows] if ro.ref_logp is not None else None
-        token_mask = ro.token_mask[rows] if ro.token_mask is not None else None
+        old_logp = ro.old_logp[chunk.rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
+        ref_logp = ro.ref_logp[chunk.rows] if ro.ref_logp is not None else None
+        token_mask = ro.token_mask[chunk.rows] if ro.token_mask is not None else None
         loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, ro.adv[rows], ro.mask[rows], beta=beta, num_rows=num_rows,
+            logp, old_logp, ref_logp, ro.adv[chunk.rows], ro.mask[chunk.rows], beta=beta, num_rows=num_rows,
             num_tokens=num_tokens, token_mask=token_mask, **run.loss,
         )  # fmt: skip
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
-        share = ro.mask[rows].sum().item() / num_tokens.item()
+        share = ro.mask[chunk.rows].sum().item() / num_tokens.item()
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
     if run.world > 1:  # each rank holds its share of the global means
@@ -510,9 +571,8 @@ def accumulate_policy_gradient(
 
 
 def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, float]:
-    """num_iterations optimizer steps on one rollout; returns the last iteration's loss statistics.
-    NOTE: a non-finite loss or gradient norm skips the optimizer step and is reported as `skipped`. Under
-    torchrun the gradients are summed BEFORE the clip, so every rank takes (or skips) the same step."""
+    """num_iterations optimizer steps on one rollout; the last one's loss statistics. A non-finite loss or
+    gradient norm skips the step (`skipped`); under torchrun every rank takes or skips it (summed first)."""
     model, optimizer, params = run.model, run.optimizer, lora.lora_parameters(run.model)
     model.train()  # only LoRA dropout reacts to this; the base has no dropout
     skipped = ""
@@ -610,12 +670,14 @@ def check_args(args: Args) -> None:
     )
 
 
-def sampler_options(args: Args, tokenizer) -> dict:
-    """The sampler's keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill)."""
+def sampler_options(args: Args, tokenizer, generation_config=None) -> dict:
+    """The sampler's keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill): every
+    end-of-turn id the checkpoint lists ends a completion; vision and chat-control tokens are never drawn."""
+    ends = data.end_of_turn_ids(tokenizer, generation_config)
     return dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer),  # image tokens would have no pixels
+        eos_token_id=ends, pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=data.suppressed_tokens(tokenizer, ends),  # an image token would have no pixels
     )  # fmt: skip
 
 
@@ -654,6 +716,12 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     names = [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)  # before the length check
+    # The frame goes to the rewards that may read coordinates: the grounding ones and plug-ins.
+    wanted = any(r.name in grounding.REWARDS for r in reward_fns)
+    with cli.user_errors("--box-frame: "):
+        box_frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, wanted)
+    box_frame = box_frame if wanted or any(":" in r.name for r in reward_fns) else None
     resized = data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
     )
@@ -669,14 +737,17 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself
         speedups.enable_plain_checkpointing(model)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    mode = args.eval_image_ablation
+    ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
     scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
     return Run(
         model=model, tokenizer=tokenizer, image_processor=image_processor, device=device,
         optimizer=optimizer, scheduler=scheduler,
-        train_samples=train_samples, held_out=held_out, reward_fns=reward_fns, accuracy_name=accuracy_name,
-        sampling=sampler_options(args, tokenizer), loss=loss_options(args),
+        train_samples=train_samples, held_out=held_out, held_out_ablated=ablated, reward_fns=reward_fns,
+        accuracy_name=accuracy_name, box_frame=box_frame,
+        sampling=sampler_options(args, tokenizer, model.generation_config), loss=loss_options(args),
         parts=parts, record_block=record_block, rank=rank, world=world,
     )  # fmt: skip
 
@@ -773,18 +844,30 @@ def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
 
 @torch.no_grad()
 def evaluate(run: Run, args: Args) -> dict:
-    """Greedy decoding on the held-out samples: accuracy (accuracy reward == 1) and mean total reward."""
+    """Greedy decoding on the held-out samples: accuracy (accuracy reward == 1) and mean total reward, and
+    the same with the images ablated (--eval-image-ablation)."""
+    metrics = evaluate_on(run, args, run.held_out)
+    if run.held_out_ablated:
+        mode = args.eval_image_ablation
+        ablated = evaluate_on(run, args, run.held_out_ablated)
+        metrics.update({f"{key}_{mode}": value for key, value in ablated.items()})
+    return metrics
+
+
+@torch.no_grad()
+def evaluate_on(run: Run, args: Args, samples: list[dict]) -> dict:
     run.model.eval()
     totals, correct = [], []
-    for i in range(0, len(run.held_out), 50):
-        chunk = run.held_out[i : i + 50]
+    for i in range(0, len(samples), 50):
+        chunk = samples[i : i + 50]
         batch = prompt_batch(run, chunk, args)
         greedy = {**run.sampling, "temperature": 0.0}
         ids, _ = speedups.sample(
             run.model, batch.inputs, group_size=1, shared_prefill=args.shared_prefill, **greedy
         )
-        mask, _ = grpo.completion_mask(ids, run.tokenizer.eos_token_id)
-        texts = data.decode_completions(run.tokenizer, ids, mask)
+        mask, _ = grpo.completion_mask(ids, run.sampling["eos_token_id"])
+        texts = data.decode_completions(run.tokenizer, ids, mask, run.sampling["eos_token_id"])
+        chunk = data.with_grounding(chunk, batch, run.box_frame)
         scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]

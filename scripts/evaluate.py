@@ -11,7 +11,7 @@ Each output line is one sample: `id` (the sample's id, else `file:line`), `sourc
 `builtin:<task>`), `completions` (k texts), `rewards` (every component, unweighted, one value per
 completion), `total`, `gate_failed` (if there are gates), `correct` (accuracy reward == 1), `pass_at_k` (any
 of the k correct), `format_valid` (samples with a `label` only), `completion_tokens`, `truncated` and
-`ground_truth` (whichever of label / answer / bbox the sample has).
+`ground_truth` (whichever of label / answer / bbox / boxes / region / count the sample has).
 
 k = --num-samples. k = 1 decodes greedily (--temperature is ignored); k > 1 samples k completions per
 prompt at --temperature / --top-p, and pass@k is the share of samples with any correct. Each batch of
@@ -30,6 +30,10 @@ output file (so a resumed run's summary covers every sample): accuracy (share of
 pass@k, mean total reward and mean of each component, format-valid fraction (share of completions with
 format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
 
+--image-ablation blank|shuffle evaluates the same samples again with every image replaced by a grey one of
+the same size, or with the images permuted across samples (data.ablate_images), and reports those columns
+beside the real-image ones: a policy that scores as well without its images answers from the text prior.
+
 --compare evaluates the base model (adapters switched off with lora.adapters_disabled, which is the base
 exactly) and base + adapter on the same samples and seed, into `<stem>.base.jsonl` and
 `<stem>.adapter.jsonl` (each resumable, each with its summary), and writes one report with both columns
@@ -44,8 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
 import data
 import distributed
+import grounding
 import grpo
+import logs
 import lora
 import model_io
 import rewards
@@ -90,6 +94,12 @@ class Args:
     """Number of built-in held-out samples."""
     max_prompt_length: int = 4096
     """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
+    """The frame the model writes coordinates in, for the grounding rewards, as train.py's --box-frame."""
+    min_pixels: int | None = None
+    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's), as train.py."""
+    max_pixels: int | None = None
+    """... and at most this many (default: the checkpoint's), as train.py."""
 
     # --- generation ---
     batch_size: int = 16
@@ -121,9 +131,14 @@ class Args:
     """Output JSONL (one line per sample). With --compare, <stem>.base.jsonl and <stem>.adapter.jsonl."""
     overwrite: bool = False
     """Start the output file(s) afresh instead of resuming them."""
+    resolved_box_frame: tyro.conf.Suppress[str | None] = None  # set by load_model from --box-frame
+    image_ablation: tuple[Literal["blank", "shuffle"], ...] = ()
+    """Does the model look at the images? Also evaluate the same samples with every image replaced by a grey
+    one of the same size (blank) or with the images permuted across samples (shuffle), into
+    <stem>.blank.jsonl / <stem>.shuffle.jsonl (each model of --compare too), reported beside the real ones."""
 
 
-GROUND_TRUTH = ("label", "answer", "bbox")
+GROUND_TRUTH = ("label", "answer", "bbox", "boxes", "region", "count")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,79 +165,16 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     return data.apply_prompt_template(samples, template), None
 
 
-def read_done(path: Path) -> list[dict]:
-    """Records of an existing output file. A torn last line (killed mid-write) is cut off the file itself."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    lines.pop()  # after the last newline: b"" or a line whose write never finished
-    records, good_bytes = [], 0
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            records.append(json.loads(line))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            if lineno < len(lines):  # only the last line can be torn; damage before it is not ours to fix
-                raise cli.UsageError(
-                    f"{path}:{lineno}: invalid JSON before the last line; fix that line, pass --overwrite, "
-                    "or choose another --output"
-                )
-            break
-        if not (isinstance(records[-1], dict) and "source" in records[-1] and "id" in records[-1]):
-            raise cli.UsageError(
-                f"{path}:{lineno}: not a line of evaluate.py (no source and id); pass --overwrite or "
-                "choose another --output"
-            )
-        good_bytes += len(line) + 1
-    if good_bytes < len(raw):
-        print(f"{path}: dropping a torn last line ({len(raw) - good_bytes} bytes)")
-        with path.open("r+b") as f:
-            f.truncate(good_bytes)
-            os.fsync(f.fileno())
-    return records
-
-
-def append_line(f, record: dict) -> None:
-    """Write one complete line, then flush and fsync: a crash can tear at most the line being written."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def check_settings(path: Path, settings: dict, overwrite: bool) -> None:
-    """Refuse to resume an output written with other settings (it would mix two evaluations)."""
-    settings_path = path.with_suffix(".settings.json")
-    if overwrite:
-        for p in (path, path.with_suffix(".summary.json"), settings_path):
-            p.unlink(missing_ok=True)
-    if path.exists() and settings_path.exists():
-        with cli.user_errors(f"{settings_path}: cannot be read (pass --overwrite to start afresh): "):
-            old = json.loads(settings_path.read_text(encoding="utf-8"))
-        cli.check(isinstance(old, dict), str(settings_path), "not a settings file; pass --overwrite")
-        changed = sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k))
-        if changed:
-            raise cli.UsageError(
-                f"{path} was written with other settings ({', '.join(changed)}); "
-                "pass --overwrite or choose another --output"
-            )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(settings_path, settings)
-
-
 # --------------------------------------------------------------------------------------------------
 # Generation, scoring, summary
 
 
 @torch.no_grad()
 def generate(model, tokenizer, image_processor, samples: list[dict], args: Args, device) -> list[dict]:
-    """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags."""
+    """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags, and
+    the `sample` with its image frame for the grounding rewards (data.with_grounding)."""
     k = args.num_samples
+    ends = data.end_of_turn_ids(tokenizer, model.generation_config)  # every id that ends a turn
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
@@ -234,15 +186,19 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
         top_p=args.top_p if k > 1 else 1.0,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=ends,
         pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer),  # image tokens would have no pixels
+        suppress_token_ids=data.suppressed_tokens(tokenizer, ends),  # image tokens would have no pixels
     )  # (B*k, T)
-    mask, truncated = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (B*k, T), (B*k,)
-    texts = data.decode_completions(tokenizer, ids, mask)
+    mask, truncated = grpo.completion_mask(ids, ends)  # (B*k, T), (B*k,)
+    texts = data.decode_completions(tokenizer, ids, mask, ends)
     lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
-    return [{"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r]} for r in rows]
+    samples = data.with_grounding(samples, batch, args.resolved_box_frame)
+    return [
+        {"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r], "sample": s}
+        for r, s in zip(rows, samples)
+    ]
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
@@ -277,7 +233,8 @@ def reward_errors(sample: dict):
 def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
     """The output line of one sample and its k completions."""
     texts, lengths = completions["texts"], completions["lengths"]
-    scores = rewards.score(texts, [sample] * len(texts), reward_fns, completion_lengths=lengths)
+    grounded = completions.get("sample", sample)  # with its image frame
+    scores = rewards.score(texts, [grounded] * len(texts), reward_fns, completion_lengths=lengths)
     correct = [v >= 1.0 for v in scores.components[accuracy_name]]
     record = {"id": sample["_id"], "source": sample["_source"], "completions": texts}
     record.update(rewards=scores.components, total=scores.total)
@@ -318,10 +275,14 @@ def summarise(records: list[dict]) -> dict:
 def print_table(columns: dict[str, dict]) -> None:
     """Metrics as rows, one column per evaluated model."""
     keys = list(dict.fromkeys(k for summary in columns.values() for k in summary))
-    print(f"{'':24s}" + "".join(f"{name:>12s}" for name in columns))
+    width = max(12, *(len(name) + 2 for name in columns))
+    print(f"{'':24s}" + "".join(f"{name:>{width}s}" for name in columns))
     for key in keys:
         cells = [summary.get(key, float("nan")) for summary in columns.values()]
-        print(f"{key:24s}" + "".join(f"{c:12d}" if isinstance(c, int) else f"{c:12.4f}" for c in cells))
+        print(
+            f"{key:24s}"
+            + "".join(f"{c:{width}d}" if isinstance(c, int) else f"{c:{width}.4f}" for c in cells)
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,6 +294,11 @@ def batch_seed(seed: int, index: int) -> int:
     return seed * 1_000_000 + index
 
 
+def read_resumable(path: Path) -> list[dict]:
+    with cli.user_errors():
+        return logs.read_resumable(path, "id", "evaluate.py")
+
+
 def evaluate_to_file(
     model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
 ):
@@ -342,7 +308,7 @@ def evaluate_to_file(
     run draws what an uninterrupted one draws: a batch that was partly written is generated again in whole
     (the same draws) and only its missing samples are written.
     """
-    done = {(r["source"], r["id"]) for r in read_done(path)}
+    done = {(r["source"], r["id"]) for r in read_resumable(path)}
     is_done = [(s["_source"], s["_id"]) in done for s in samples]
     print(f"{path}: {sum(is_done)} of {len(samples)} samples already done")
     bs = args.batch_size
@@ -357,27 +323,36 @@ def evaluate_to_file(
                 if not written:
                     with reward_errors(sample):
                         record = score_sample(sample, completions, reward_fns, accuracy_name)
-                    append_line(f, record)
+                    logs.append_line(f, record)
             print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)
-    summary = summarise(read_done(path))
-    write_json_atomic(path.with_suffix(".summary.json"), summary)
+    summary = summarise(read_resumable(path))
+    logs.write_json_atomic(path.with_suffix(".summary.json"), summary)
     return summary
 
 
-def planned_runs(args: Args) -> list[tuple[str, Path, bool]]:
-    """(column name, output file, adapter on) for each evaluation."""
+def planned_runs(args: Args) -> list[tuple[str, Path, bool, str | None]]:
+    """(column name, output file, adapter on, image ablation or None) for each evaluation."""
     out = Path(args.output)
     if args.compare:
-        return [
+        models = [
             ("base", out.with_suffix(".base.jsonl"), False),
             ("adapter", out.with_suffix(".adapter.jsonl"), True),
         ]
-    return [("adapter", out, True) if args.adapter else ("base", out, False)]
+    else:
+        models = [("adapter", out, True) if args.adapter else ("base", out, False)]
+    runs = [(name, path, on, None) for name, path, on in models]
+    for mode in args.image_ablation:
+        runs += [
+            (f"{name}+{mode}", path.with_suffix(f".{mode}.jsonl"), on, mode) for name, path, on in models
+        ]
+    return runs
 
 
-def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool) -> dict:
+def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool, ablation: str | None) -> dict:
     sampled = args.num_samples > 1
     return {
+        "image_ablation": ablation,
+        "box_frame": args.resolved_box_frame if any(n in grounding.REWARDS for n in args.reward) else None,
         "model": args.model,
         "adapter": str(Path(args.adapter).resolve()) if adapter_on else None,
         "num_samples": args.num_samples,
@@ -390,6 +365,7 @@ def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool) ->
         "seed": args.seed,
         "batch_size": args.batch_size if sampled else None,  # sampled draws are seeded per batch
         "dtype": args.dtype,
+        "pixels": [args.min_pixels, args.max_pixels] if args.min_pixels or args.max_pixels else None,
     }
 
 
@@ -419,7 +395,7 @@ def check_args(args: Args) -> None:
         cli.check(
             config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
         )
-    for _, path, _ in planned_runs(args):
+    for _, path, _, _ in planned_runs(args):
         cli.check(not path.is_dir(), "--output", f"{path} is a folder; give a .jsonl file")
 
 
@@ -430,6 +406,12 @@ def load_model(args: Args, device: torch.device):
         dtype = model_io.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
         model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    with cli.user_errors():
+        data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
+    wanted = any(name in grounding.REWARDS for name in args.reward)
+    with cli.user_errors("--box-frame: "):
+        frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, wanted)
+    args.resolved_box_frame = frame  # read by generate
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
             lora.load_adapter(model, args.adapter)
@@ -453,22 +435,22 @@ def main(args: Args) -> dict[str, dict]:
         data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
 
     summaries = {}
-    for name, path, adapter_on in planned_runs(args):
-        check_settings(path, settings_of(args, reward_fns, accuracy_name, adapter_on), args.overwrite)
+    for name, path, adapter_on, ablation in planned_runs(args):
+        settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation)
+        with cli.user_errors():
+            logs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
+        with cli.user_errors():
+            ablated = data.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:
             summaries[name] = evaluate_to_file(
-                model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
+                model, tokenizer, image_processor, ablated, reward_fns, accuracy_name, args, device, path
             )
     print_table(summaries)
     if args.compare:
-        report = {
-            "base": summaries["base"],
-            "adapter": summaries["adapter"],
-            "args": dataclasses.asdict(args),
-        }
-        write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
+        report = {**summaries, "args": dataclasses.asdict(args)}
+        logs.write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
     return summaries
 
 

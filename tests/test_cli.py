@@ -268,6 +268,8 @@ def test_help_describes_every_builtin_reward_and_when_reward_is_required():
     ):
         assert name in text, name
     assert "iou:" in text
+    for name in ("box_iou_mean, box_f1:", "point_in_box, point_in_region, negative_points:", "count:"):
+        assert name in text, name
 
 
 class CreatesFile:

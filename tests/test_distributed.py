@@ -232,9 +232,75 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[1])
 
 
+# --- dynamic sampling chooses over the global batch -------------------------------------------------------
+
+
+def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, chunks: bool = True):
+    """A rollout whose completions and rewards are functions of the prompts alone (no model, no RNG), so one
+    process and the ranks see the same groups: prompts whose id is a multiple of 3 get equal rewards."""
+    G, eos = args.group_size, 2
+    rows = [(p["id"], j) for p in prompts for j in range(G)]
+    ids = torch.tensor([[10 + i % 7, 11 + j, eos if (i + j) % 2 else 12, eos] for i, j in rows])
+    mask, truncated = grpo.completion_mask(ids, eos)
+    reward = torch.tensor([0.5 if i % 3 == 0 else float(j % 2) for i, j in rows])
+    batch = train.prompt_batch(run, prompts, args)
+    return train.Rollout(
+        inputs=data.repeat_rows(batch, G).inputs, completion_ids=ids, mask=mask, truncated=truncated,
+        texts=[f"{i}/{j}" for i, j in rows], samples=[p for p in prompts for _ in range(G)], reward=reward,
+        components={"r": reward}, adv=train.advantages(reward, {"r": reward}, run, args), chunks=[],
+    )  # fmt: skip
+
+
+def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:
+    """groups_with_signal at steps 1..3 on text prompts with `scripted_rollout`: what each step trains on."""
+    tokenizer = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[1]
+    args = train.Args(batch_size=batch_size, group_size=G, dynamic_sampling=True, max_sampling_rounds=3)
+    args.trunk_reuse = args.shared_prefill = False
+    run = make_run(None, args, tokenizer=tokenizer, rank=rank, world=world_size)
+    run.train_samples = [{"id": i, "prompt": f"question {i}"} for i in range(40)]
+    real_rollout, train.rollout = train.rollout, scripted_rollout  # extra rounds sample through it
+    try:
+        steps = []
+        for step in (1, 2, 3):
+            prompts = data.batch_for_step(run.train_samples, step - 1, batch_size, 0, rank, world_size)
+            ro, counts = train.groups_with_signal(run, scripted_rollout(run, prompts, args), step, args)
+            texts = [t for t, m in zip(ro.texts, ro.mask.any(dim=1)) if m]
+            steps.append(
+                {
+                    "ids": [s["id"] for s in ro.samples[::G]],
+                    "texts": texts,
+                    "reward": ro.reward.tolist(),
+                    **counts,
+                }
+            )
+    finally:
+        train.rollout = real_rollout
+    return steps
+
+
+def test_dynamic_sampling_on_two_ranks_trains_on_the_groups_one_process_chooses_from_the_global_batch(
+    tmp_path,
+):
+    one = dynamic_choice(0, 1, WORLD * B)
+    torchrun(str(Path(__file__).resolve()), "dynamic", str(tmp_path), cwd=tmp_path)
+    ranks = [json.loads((tmp_path / f"dynamic{r}.json").read_text()) for r in range(WORLD)]
+    assert any(s["dynamic/rounds"] > 1 for s in one)  # some step needed a second round
+    for step, whole in enumerate(one):
+        assert ranks[0][step]["ids"] + ranks[1][step]["ids"] == whole["ids"]
+        assert ranks[0][step]["reward"] + ranks[1][step]["reward"] == whole["reward"]
+        assert ranks[0][step]["texts"] + ranks[1][step]["texts"] == whole["texts"]
+        for key in ("dynamic/groups_sampled", "dynamic/groups_kept", "dynamic/rounds"):
+            assert ranks[0][step][key] == ranks[1][step][key] == whole[key]
+
+
 if __name__ == "__main__":  # one rank, launched by the tests above through torchrun
     torch.set_num_threads(1)
     rank, world_size = distributed.init_distributed(torch.device("cpu"))
-    rollout_path = Path(sys.argv[1])
-    torch.save(one_update(torch.load(rollout_path), rank, world_size), rollout_path.parent / f"rank{rank}.pt")
+    if sys.argv[1] == "dynamic":
+        out = Path(sys.argv[2]) / f"dynamic{rank}.json"
+        out.write_text(json.dumps(dynamic_choice(rank, world_size, B)))
+    else:
+        rollout_path = Path(sys.argv[1])
+        results = one_update(torch.load(rollout_path), rank, world_size)
+        torch.save(results, rollout_path.parent / f"rank{rank}.pt")
     distributed.finish_distributed()

@@ -141,19 +141,19 @@ def test_a_kill_during_evaluation_output_loses_no_line_and_duplicates_none(tmp_p
     command += ["--eval-size", "6", "--batch-size", "2", "--output", str(output)]
     # The child writes half of its fourth line, then dies without flushing anything else.
     script = f"""
-import os, runpy, sys
+import json, os, runpy, sys
 sys.argv = {command[1:]!r}
 sys.path.insert(0, {str(ROOT / "scripts")!r})
 import evaluate
-real, count = evaluate.append_line, []
+real, count = evaluate.logs.append_line, []
 def dying_append(f, record):
     count.append(1)
     if len(count) == 4:
-        f.write(evaluate.json.dumps(record)[:20])
+        f.write(json.dumps(record)[:20])
         f.flush()
         os._exit(9)
     real(f, record)
-evaluate.append_line = dying_append
+evaluate.logs.append_line = dying_append
 evaluate.main(evaluate.tyro.cli(evaluate.Args))
 """
     child = subprocess.run(
@@ -215,7 +215,7 @@ def test_empty_and_truncated_completions_are_counted_and_mask_truncated_drops_th
     def eos_first_or_never(model, inputs, **kwargs):
         ids, logp = real_sample(model, inputs, **kwargs)
         ids = torch.full_like(ids, 7)  # 7 is a plain text token: these rows never stop (truncated)
-        ids[::2, 0] = kwargs["eos_token_id"]  # every other row is the EOS alone (empty)
+        ids[::2, 0] = kwargs["eos_token_id"][0]  # every other row is an end of turn alone (empty)
         return ids, logp
 
     monkeypatch.setattr(grpo, "sample_completions", eos_first_or_never)

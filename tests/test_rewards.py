@@ -380,7 +380,8 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def test_builtin_names_resolve_to_builtin_functions():
     names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format", "iou"]
-    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
+    grounding = ["box_iou_mean", "box_f1", "point_in_box", "point_in_region", "negative_points", "count"]
+    assert list(BUILTIN_REWARDS) == [*names, "overlong", *grounding]
     assert load_reward("label") is label_reward
 
 
