@@ -32,6 +32,7 @@ Choices:
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import unicodedata
@@ -469,7 +470,7 @@ def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -
     (grounding.py). Unchanged when `frame` is None or a sample has no image."""
     if frame is None:
         return samples
-    first_image = [sum(batch.images_per_row[:i]) for i in range(len(samples))]
+    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
     return [
         {**s, "grounding": {"frame": frame, "original_size": list(batch.image_sizes[k]),
                             "resized_size": list(batch.resized_sizes[k])}} if n else s

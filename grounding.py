@@ -144,14 +144,18 @@ def frame_for_model_type(model_type: str) -> str:
     return _MODEL_TYPE_FRAMES[model_type]
 
 
-def resolve_frame(requested: str, model_type: str, image_processor: Any, required: bool) -> str | None:
-    """The frame for a run: `requested` ("auto" reads `model_type`); None for a text-only model (no image
-    processor), and for an unknown family under auto unless a grounding reward is `required` (then raise)."""
-    if image_processor is None:
+def resolve_frame(
+    requested: str, model_type: str, image_processor: Any, reward_names: Sequence[str]
+) -> str | None:
+    """The frame a run hands its rewards (sample["grounding"]), or None: for a text-only model (no image
+    processor), or when no reward may read coordinates (a grounding one, or a plug-in "module:function").
+    "auto" reads `model_type`; an unknown family raises only when a grounding reward needs the frame."""
+    readers = [name for name in reward_names if name in REWARDS or ":" in name]
+    if image_processor is None or not readers:
         return None
     if requested != "auto":
         return requested
-    if model_type in _MODEL_TYPE_FRAMES or required:
+    if model_type in _MODEL_TYPE_FRAMES or any(name in REWARDS for name in readers):
         return frame_for_model_type(model_type)
     return None
 

@@ -3,8 +3,7 @@
 Every reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`. `sample` is the
 dataset sample dict, passed through untouched, so a reward reads whatever ground truth it needs
 (`sample["label"]`, `sample["answer"]`, `sample["bbox"]`). This module uses the Python standard library
-only and imports nothing from the project but grounding.py (stdlib only too), so the two can be copied
-together into another codebase.
+only and imports nothing from the project, so it can be copied alone into another codebase.
 
 Built-ins (`BUILTIN_REWARDS` name -> function):
     label               1 if the verdict on the first line equals `sample["label"]`, else 0. The first line
@@ -26,36 +25,18 @@ Built-ins (`BUILTIN_REWARDS` name -> function):
     think_answer_format 1 if the completion is `<think>…</think><answer>…</answer>`, whitespace allowed
                         between and around the blocks, nothing else outside, each tag exactly once, and both
                         blocks non-empty (an empty think block is a collapse we do not want to pay for).
-    iou                 IoU of the LAST box of the answer text with `sample["bbox"]` (grounding.iou_reward);
-                        continuous coordinates (area = (x2-x1)*(y2-y1), no +1). A box is a JSON list of four
-                        finite numbers `[x1, y1, x2, y2]` (bare or in `{"bbox_2d": ...}`) or Qwen2-VL's
-                        `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`; degenerate boxes (x2 <= x1 or y2 <= y1)
-                        are skipped. No box -> 0.
     overlong            DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), from the completion's token
                         count L, not its text. With L_max = `max_length` and L_cache = `cache_length`:
                         0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache up to L_max; -1 beyond.
                         `max_length` and `cache_length` have no defaults: bind them with `load_reward(
                         "overlong", max_length=..., cache_length=...)` or `functools.partial`.
 
-Grounding built-ins (in `BUILTIN_REWARDS` too, all in grounding.py, which explains the coordinate frames; the
-ground truth is in ORIGINAL-image pixels, and the prediction is mapped there from the model's frame when the
-sample has `"grounding": {"frame", "original_size", "resized_size"}`, else taken as is; `iou` does the same):
-    box_iou_mean        multi-box: the one-to-one matching of predicted and `sample["boxes"]` (else
-                        [`sample["bbox"]`]) with the largest total IoU (exact, Hungarian), that total over
-                        max(#pred, #gt).
-    box_f1              multi-box F1 = 2 TP / (#pred + #gt), TP the most one-to-one pairs at IoU >= 0.5
-                        (`iou_threshold`, keyword-only, bindable with load_reward).
-                        Both multi-box rewards give 1 when the ground truth has no box and none is predicted.
-    point_in_box        share of the predicted points (`{"point_2d": [x, y]}`, `[x, y]`, `(x,y)`) inside any
-                        ground-truth box (edges inside); no point -> 0.
-    point_in_region     share of the predicted points inside `sample["region"]`, a list of polygons of [x, y]
-                        vertices (even-odd rule: a polygon inside another is a hole; edges inside).
-    negative_points     share of the predicted points outside the region (not on its edge) and, when the
-                        sample has `"margin"` (pixels), within that distance of the region's boundary.
-    count               1 if the number of boxes listed (points, when there is no box) equals
-                        `sample["count"]`, else 0; `load_reward("count", graded=True)` gives partial credit.
+Grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count) live
+in grounding.py (`grounding.REWARDS`), which explains Qwen-VL's coordinate frames. A caller that wants them
+by name passes `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}` to `load_reward` / `parse_reward_specs`,
+as train.py and the scripts do.
 
-"Answer text" (exact_match, answer_match, numeric_match, iou and the grounding rewards) is the content of
+"Answer text" (exact_match, answer_match, numeric_match, and the grounding rewards) is the content of
 the last `<answer>…</answer>` block when there is one, else the whole completion; so these compose with
 `think_answer_format` and also work on bare answers.
 
@@ -93,8 +74,6 @@ import traceback
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import grounding
 
 RewardFn = Callable[..., float]
 
@@ -204,13 +183,6 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
     return float(m is not None and m.group(1).strip() != "" and m.group(2).strip() != "")
 
 
-# --- boxes ------------------------------------------------------------------------------------------------
-
-# NOTE: grounding.py owns box parsing and the coordinate frames; its `iou` maps the prediction with
-# sample["grounding"] when the trainer sets it, and is the plain IoU (identity frame) when it does not.
-iou_reward = grounding.iou_reward
-
-
 # --- length -----------------------------------------------------------------------------------------------
 
 
@@ -235,10 +207,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "answer_match": answer_match,
     "numeric_match": numeric_match,
     "think_answer_format": think_answer_format,
-    "iou": iou_reward,
     "overlong": overlong_penalty,
-    # the other grounding rewards (grounding.py explains the coordinate frames)
-    **{name: fn for name, fn in grounding.REWARDS.items() if name != "iou"},
 }
 
 
@@ -387,20 +356,22 @@ def _check_reward_signature(fn: RewardFn, spec: str) -> None:
         ) from e
 
 
-def load_reward(spec: str, **bind: Any) -> RewardFn:
-    """A built-in by name, or a plug-in `module:function` / `path/to/file.py:function`.
+def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **bind: Any) -> RewardFn:
+    """A built-in by name (from `builtins`, default BUILTIN_REWARDS), or a plug-in `module:function` /
+    `path/to/file.py:function`.
 
     Keyword arguments are bound with functools.partial, e.g. `load_reward("overlong", max_length=1024,
     cache_length=256)` or `load_reward("numeric_match", abs_tol=0.01)`. Raises ValueError with a message
     fit for a command line on any problem.
     """
+    builtins = BUILTIN_REWARDS if builtins is None else builtins
     if ":" not in spec:
-        if spec not in BUILTIN_REWARDS:
+        if spec not in builtins:
             raise ValueError(
-                f"unknown reward {spec!r}; built-ins are {', '.join(BUILTIN_REWARDS)}, "
+                f"unknown reward {spec!r}; built-ins are {', '.join(builtins)}, "
                 "or give a plug-in as module:function or path/to/file.py:function"
             )
-        fn = BUILTIN_REWARDS[spec]
+        fn = builtins[spec]
     else:
         module_spec, _, attr = spec.rpartition(":")
         if not module_spec or not attr:
@@ -419,7 +390,10 @@ def load_reward(spec: str, **bind: Any) -> RewardFn:
 
 
 def parse_reward_specs(
-    specs: Sequence[str], weights: Sequence[float] | None = None, gates: Sequence[str] | None = None
+    specs: Sequence[str],
+    weights: Sequence[float] | None = None,
+    gates: Sequence[str] | None = None,
+    builtins: Mapping[str, RewardFn] | None = None,
 ) -> list[Reward]:
     """Command-line lists -> Rewards: each spec is loaded with load_reward and named by its spec string.
 
@@ -435,4 +409,6 @@ def parse_reward_specs(
     unknown = [g for g in gates if g not in specs]
     if unknown:
         raise ValueError(f"gates {unknown} are not among the rewards {list(specs)}")
-    return [Reward(s, load_reward(s), float(w), s in gates) for s, w in zip(specs, weights)]
+    return [
+        Reward(s, load_reward(s, builtins=builtins), float(w), s in gates) for s, w in zip(specs, weights)
+    ]

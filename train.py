@@ -697,7 +697,10 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
         raise ValueError("--reward is required with --data (e.g. --reward label format)")
     if args.reward_weight and len(args.reward_weight) != len(names):
         raise ValueError(f"--reward-weight has {len(args.reward_weight)} values for {len(names)} rewards")
-    return rewards.parse_reward_specs(list(names), list(args.reward_weight) or None, list(args.gate) or None)
+    weights, gates = list(args.reward_weight) or None, list(args.gate) or None
+    return rewards.parse_reward_specs(
+        list(names), weights, gates, {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
+    )
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
@@ -717,11 +720,9 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)  # before the length check
-    # The frame goes to the rewards that may read coordinates: the grounding ones and plug-ins.
-    wanted = any(r.name in grounding.REWARDS for r in reward_fns)
     with cli.user_errors("--box-frame: "):
-        box_frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, wanted)
-    box_frame = box_frame if wanted or any(":" in r.name for r in reward_fns) else None
+        names = [r.name for r in reward_fns]
+        box_frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, names)
     resized = data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
     )

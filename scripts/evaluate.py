@@ -131,7 +131,6 @@ class Args:
     """Output JSONL (one line per sample). With --compare, <stem>.base.jsonl and <stem>.adapter.jsonl."""
     overwrite: bool = False
     """Start the output file(s) afresh instead of resuming them."""
-    resolved_box_frame: tyro.conf.Suppress[str | None] = None  # set by load_model from --box-frame
     image_ablation: tuple[Literal["blank", "shuffle"], ...] = ()
     """Does the model look at the images? Also evaluate the same samples with every image replaced by a grey
     one of the same size (blank) or with the images permuted across samples (shuffle), into
@@ -170,7 +169,9 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, image_processor, samples: list[dict], args: Args, device) -> list[dict]:
+def generate(
+    model, tokenizer, image_processor, samples: list[dict], args: Args, device, frame: str | None
+) -> list[dict]:
     """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags, and
     the `sample` with its image frame for the grounding rewards (data.with_grounding)."""
     k = args.num_samples
@@ -194,7 +195,7 @@ def generate(model, tokenizer, image_processor, samples: list[dict], args: Args,
     texts = data.decode_completions(tokenizer, ids, mask, ends)
     lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
-    samples = data.with_grounding(samples, batch, args.resolved_box_frame)
+    samples = data.with_grounding(samples, batch, frame)
     return [
         {"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r], "sample": s}
         for r, s in zip(rows, samples)
@@ -212,8 +213,9 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     unknown = sorted(set(args.gate) - set(names))
     cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {list(names)}")
     with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
+        builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's by name too
         return rewards.parse_reward_specs(
-            list(names), list(args.reward_weight) or None, list(args.gate) or None
+            list(names), list(args.reward_weight) or None, list(args.gate) or None, builtins
         )
 
 
@@ -233,7 +235,7 @@ def reward_errors(sample: dict):
 def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
     """The output line of one sample and its k completions."""
     texts, lengths = completions["texts"], completions["lengths"]
-    grounded = completions.get("sample", sample)  # with its image frame
+    grounded = completions["sample"]  # with its image frame, when a reward reads coordinates
     scores = rewards.score(texts, [grounded] * len(texts), reward_fns, completion_lengths=lengths)
     correct = [v >= 1.0 for v in scores.components[accuracy_name]]
     record = {"id": sample["_id"], "source": sample["_source"], "completions": texts}
@@ -300,7 +302,7 @@ def read_resumable(path: Path) -> list[dict]:
 
 
 def evaluate_to_file(
-    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path
+    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path, frame
 ):
     """Evaluate the samples not yet in `path`, one appended line each; return the whole file's summary.
 
@@ -318,7 +320,7 @@ def evaluate_to_file(
             if all(batch_done):
                 continue
             torch.manual_seed(batch_seed(args.seed, index))
-            generated = generate(model, tokenizer, image_processor, batch, args, device)
+            generated = generate(model, tokenizer, image_processor, batch, args, device, frame)
             for sample, completions, written in zip(batch, generated, batch_done):
                 if not written:
                     with reward_errors(sample):
@@ -348,11 +350,13 @@ def planned_runs(args: Args) -> list[tuple[str, Path, bool, str | None]]:
     return runs
 
 
-def settings_of(args: Args, reward_fns, accuracy_name: str, adapter_on: bool, ablation: str | None) -> dict:
+def settings_of(
+    args: Args, reward_fns, accuracy_name: str, adapter_on: bool, ablation: str | None, frame: str | None
+) -> dict:
     sampled = args.num_samples > 1
     return {
         "image_ablation": ablation,
-        "box_frame": args.resolved_box_frame if any(n in grounding.REWARDS for n in args.reward) else None,
+        "box_frame": frame,
         "model": args.model,
         "adapter": str(Path(args.adapter).resolve()) if adapter_on else None,
         "num_samples": args.num_samples,
@@ -408,10 +412,6 @@ def load_model(args: Args, device: torch.device):
         model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors():
         data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
-    wanted = any(name in grounding.REWARDS for name in args.reward)
-    with cli.user_errors("--box-frame: "):
-        frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, wanted)
-    args.resolved_box_frame = frame  # read by generate
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
             lora.load_adapter(model, args.adapter)
@@ -431,12 +431,14 @@ def main(args: Args) -> dict[str, dict]:
         accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not among the rewards {names}"
     )
     model, tokenizer, image_processor = load_model(args, device)
+    with cli.user_errors("--box-frame: "):
+        frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, names)
     with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
         data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
 
     summaries = {}
     for name, path, adapter_on, ablation in planned_runs(args):
-        settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation)
+        settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation, frame)
         with cli.user_errors():
             logs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
         with cli.user_errors():
@@ -445,7 +447,16 @@ def main(args: Args) -> dict[str, dict]:
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:
             summaries[name] = evaluate_to_file(
-                model, tokenizer, image_processor, ablated, reward_fns, accuracy_name, args, device, path
+                model,
+                tokenizer,
+                image_processor,
+                ablated,
+                reward_fns,
+                accuracy_name,
+                args,
+                device,
+                path,
+                frame,
             )
     print_table(summaries)
     if args.compare:

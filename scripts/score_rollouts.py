@@ -56,6 +56,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
+import grounding
 import grpo
 import rewards
 
@@ -296,7 +297,10 @@ def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Rewar
     unknown = sorted(set(args.gate) - set(names))
     cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {names}")
     with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
-        return rewards.parse_reward_specs(names, list(args.reward_weight) or None, list(args.gate) or None)
+        builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's by name too
+        return rewards.parse_reward_specs(
+            names, list(args.reward_weight) or None, list(args.gate) or None, builtins
+        )
 
 
 def main(args: Args) -> dict:

@@ -192,17 +192,23 @@ def test_the_resized_frame_reaches_the_reward_so_a_box_in_resized_pixels_scores_
     # The same box the model would write in the 84 x 112 image it saw: x * 84 / 333, y * 112 / 517.
     written = [40 * 84 / 333, 90 * 112 / 517, 210 * 84 / 333, 400 * 112 / 517]
     completion = json.dumps({"bbox_2d": written})
-    iou = rewards.Reward("iou", rewards.load_reward("iou"))
+    iou = rewards.Reward("iou", grounding.iou_reward)
     assert rewards.score([completion], [grounded], [iou]).total[0] == pytest.approx(1.0)
     assert data.with_grounding([sample], batch, None) == [sample]  # text-only models: unchanged
 
 
-def test_box_frame_auto_reads_the_model_family_and_refuses_an_unknown_one_only_for_grounding_rewards():
-    processor = object()
-    assert grounding.resolve_frame("auto", "qwen2_5_vl", processor, required=False) == "absolute"
-    assert grounding.resolve_frame("auto", "qwen2_vl", processor, required=True) == "relative1000"
-    assert grounding.resolve_frame("auto", "llava", processor, required=False) is None
-    assert grounding.resolve_frame("auto", "qwen2_vl", None, required=True) is None  # text-only
-    assert grounding.resolve_frame("relative1000", "qwen2_5_vl", processor, required=True) == "relative1000"
+def test_box_frame_auto_reads_the_model_family_and_goes_only_to_rewards_that_read_coordinates():
+    vision = object()  # an image processor: the model sees images
+    assert grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["iou"]) == "absolute"
+    assert grounding.resolve_frame("auto", "qwen2_vl", vision, ["label", "box_f1"]) == "relative1000"
+    assert grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["my_rewards:fn"]) == "absolute"  # plug-ins
+    assert (
+        grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["label", "format"]) is None
+    )  # nobody reads it
+    assert (
+        grounding.resolve_frame("auto", "llava", vision, ["my_rewards:fn"]) is None
+    )  # unknown, not required
+    assert grounding.resolve_frame("auto", "qwen2_vl", None, ["iou"]) is None  # text-only
+    assert grounding.resolve_frame("relative1000", "qwen2_5_vl", vision, ["iou"]) == "relative1000"
     with pytest.raises(ValueError, match="--box-frame"):
-        grounding.resolve_frame("auto", "llava", processor, required=True)
+        grounding.resolve_frame("auto", "llava", vision, ["iou"])

@@ -6,6 +6,7 @@ transformers' own smart_resize), hand-computed rewards, exact matching, and comp
 
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -160,9 +161,8 @@ def test_iou_hand_computed_in_each_frame():
 
 
 def test_without_a_grounding_key_the_frames_are_taken_to_agree():
-    # [0, 0, 2, 2] vs [1, 1, 3, 3]: intersection 1, union 4 + 4 - 1 = 7 (today's rewards.iou_reward test)
+    # [0, 0, 2, 2] vs [1, 1, 3, 3]: intersection 1, union 4 + 4 - 1 = 7
     assert iou_reward("[0, 0, 2, 2]", {"bbox": [1, 1, 3, 3]}) == pytest.approx(1 / 7)
-    assert rewards.iou_reward is iou_reward and rewards.load_reward("iou") is iou_reward
 
 
 def test_iou_reads_the_last_box_of_the_answer():
@@ -418,13 +418,57 @@ def test_count_is_exact_on_boxes_else_points_and_graded_on_request():
 
 
 def test_grounding_rewards_load_by_name_and_score_through_rewards():
+    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # as train.py and the scripts pass them
     for name, fn in grounding.REWARDS.items():
-        assert rewards.load_reward(name) is fn
-    reward_list = rewards.parse_reward_specs(["box_f1", "count"])
+        assert rewards.load_reward(name, builtins=builtins) is fn
+    with pytest.raises(ValueError, match="unknown reward"):  # rewards.py alone does not know them
+        rewards.load_reward("box_f1")
+    reward_list = rewards.parse_reward_specs(["box_f1", "count"], builtins=builtins)
     samples = [{"boxes": [[0, 0, 10, 10]], "count": 1}] * 2
     result = rewards.score(["[0, 0, 10, 10]", "no box"], samples, reward_list)
     assert result.total == [2.0, 0.0]
-    assert rewards.load_reward("box_f1", iou_threshold=0.9)("[0, 0, 8, 10]", samples[0]) == 0.0  # 0.8 < 0.9
+    strict = rewards.load_reward("box_f1", builtins=builtins, iou_threshold=0.9)
+    assert strict("[0, 0, 8, 10]", samples[0]) == 0.0  # 0.8 < 0.9
+
+
+# --- the single-box IoU (once rewards.py's `iou`) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("[0, 0, 2, 2]", 1 / 7),  # intersection 1x1, union 4 + 4 - 1
+        ("box: [1, 1, 3, 3]", 1.0),
+        ("[0, 0, 2, 4]", 2 / 10),  # intersection 1x2, union 8 + 4 - 2
+        ("[3, 3, 5, 5]", 0.0),  # touches at a corner only
+        ('{"bbox_2d": [[1.0, 1.0, 2.0, 3.0]]}', 0.5),  # inside the gold box: 2 / 4
+        ("<think>[9, 9, 10, 10]</think><answer>[1, 1, 3, 3]</answer>", 1.0),
+    ],
+)
+def test_iou_hand_computed(completion, expected):
+    assert math.isclose(grounding.iou_reward(completion, {"bbox": [1, 1, 3, 3]}), expected)
+
+
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "no box",
+        "[1, 1, 3]",
+        "[1, 1, 3, 3",
+        '["a", 1, 3, 3]',
+        "[3, 3, 1, 1]",
+        "[1, 1, 1, 3]",
+        "[NaN, 1, 3, 3]",
+        "[true, 1, 3, 3]",
+    ],
+)
+def test_iou_malformed_or_degenerate_box_scores_zero(completion):
+    assert grounding.iou_reward(completion, {"bbox": [1, 1, 3, 3]}) == 0.0
+
+
+def test_iou_degenerate_ground_truth_raises():
+    with pytest.raises(ValueError, match="bbox"):
+        grounding.iou_reward("[0, 0, 1, 1]", {"bbox": [1, 1, 1, 3]})
 
 
 if __name__ == "__main__":

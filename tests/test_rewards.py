@@ -12,7 +12,6 @@ from rewards import (
     answer_match,
     exact_match,
     format_reward,
-    iou_reward,
     label_reward,
     load_reward,
     numeric_match,
@@ -228,46 +227,6 @@ def test_think_answer_format_rejects_anything_else(completion):
     assert think_answer_format(completion, {}) == 0.0
 
 
-# --- IoU --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "completion, expected",
-    [
-        ("[0, 0, 2, 2]", 1 / 7),  # intersection 1x1, union 4 + 4 - 1
-        ("box: [1, 1, 3, 3]", 1.0),
-        ("[0, 0, 2, 4]", 2 / 10),  # intersection 1x2, union 8 + 4 - 2
-        ("[3, 3, 5, 5]", 0.0),  # touches at a corner only
-        ('{"bbox_2d": [[1.0, 1.0, 2.0, 3.0]]}', 0.5),  # inside the gold box: 2 / 4
-        ("<think>[9, 9, 10, 10]</think><answer>[1, 1, 3, 3]</answer>", 1.0),
-    ],
-)
-def test_iou_hand_computed(completion, expected):
-    assert math.isclose(iou_reward(completion, {"bbox": [1, 1, 3, 3]}), expected)
-
-
-@pytest.mark.parametrize(
-    "completion",
-    [
-        "no box",
-        "[1, 1, 3]",
-        "[1, 1, 3, 3",
-        '["a", 1, 3, 3]',
-        "[3, 3, 1, 1]",
-        "[1, 1, 1, 3]",
-        "[NaN, 1, 3, 3]",
-        "[true, 1, 3, 3]",
-    ],
-)
-def test_iou_malformed_or_degenerate_box_scores_zero(completion):
-    assert iou_reward(completion, {"bbox": [1, 1, 3, 3]}) == 0.0
-
-
-def test_iou_degenerate_ground_truth_raises():
-    with pytest.raises(ValueError, match="bbox"):
-        iou_reward("[0, 0, 1, 1]", {"bbox": [1, 1, 1, 3]})
-
-
 # --- overlong ---------------------------------------------------------------------------------------------
 
 
@@ -379,9 +338,8 @@ def plugin_dir(tmp_path, monkeypatch):
 
 
 def test_builtin_names_resolve_to_builtin_functions():
-    names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format", "iou"]
-    grounding = ["box_iou_mean", "box_f1", "point_in_box", "point_in_region", "negative_points", "count"]
-    assert list(BUILTIN_REWARDS) == [*names, "overlong", *grounding]
+    names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format"]
+    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
     assert load_reward("label") is label_reward
 
 
