@@ -48,21 +48,28 @@ VOCAB = 128
 PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal_patch_size * patch_size**2
 
 
+def _text_config(num_layers: int, vocab_size: int, eos_token_id: int) -> dict:
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=PAD_ID,
+        eos_token_id=eos_token_id,
+        pad_token_id=PAD_ID,
+    )
+
+
 def make_random_vlm(seed: int = 0, num_layers: int = 6) -> Qwen2_5_VLForConditionalGeneration:
     cfg = Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=num_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
+            **_text_config(num_layers, VOCAB, EOS_ID),
             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-            tie_word_embeddings=False,
-            bos_token_id=PAD_ID,
-            eos_token_id=EOS_ID,
-            pad_token_id=PAD_ID,
         ),
         vision_config=dict(
             depth=2,
@@ -89,19 +96,7 @@ def make_random_vlm(seed: int = 0, num_layers: int = 6) -> Qwen2_5_VLForConditio
 
 
 def make_random_causal_lm(seed: int = 0, num_layers: int = 4) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+    cfg = Qwen2Config(**_text_config(num_layers, VOCAB, EOS_ID))
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(cfg).eval()
 
@@ -114,23 +109,6 @@ VLM_FAMILIES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl")
 DEEPSTACK_BLOCKS = 2
 # The embedded tiny model's tokenizer (and image processor), for checkpoints that train.main can load.
 TINY_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2.5-vl"
-
-
-def _text_config(num_layers: int, vocab_size: int, eos_token_id: int) -> dict:
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=PAD_ID,
-        eos_token_id=eos_token_id,
-        pad_token_id=PAD_ID,
-    )
 
 
 # Vision towers with 14-pixel patches (PATCH_DIM, and the embedded image processor's patch size) and the
