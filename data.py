@@ -452,6 +452,19 @@ def suppressed_tokens(tokenizer, eos_ids: Sequence[int] | None = None) -> list[i
     return sorted((set(tokenizer.all_special_ids) | vision) - allowed)
 
 
+def sampling_options(
+    tokenizer, generation_config=None, *, max_new_tokens: int, temperature: float, top_p: float = 1.0
+) -> dict:
+    """The samplers' keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill): every
+    end-of-turn id the checkpoint lists ends a completion; vision and chat-control tokens are never drawn (an
+    image token would have no pixels)."""
+    ends = end_of_turn_ids(tokenizer, generation_config)
+    return dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends,
+        pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppressed_tokens(tokenizer, ends),
+    )  # fmt: skip
+
+
 def decode_completions(
     tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, eos_ids: Sequence[int] | None = None
 ) -> list[str]:
@@ -599,12 +612,18 @@ def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list
     return [makers[name](rng, i) for i in range(n)]
 
 
+EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
+
+
 def batch_for_step(
-    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1
-) -> list[dict]:
+    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1, *,
+    sampling_round: int = 0, rounds: int = 1,
+) -> list[dict]:  # fmt: skip
     """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
-    permutations; a pure function of the step (exact resume), whole groups per rank.
-    NOTE: `--adv-scale batch` therefore divides by the std of this rank's batch, not the global one."""
+    permutations; a pure function of the step (and of dynamic sampling's round k of `rounds`; k > 0 reads a
+    stream of its own): resume is exact. NOTE: --adv-scale batch divides by this rank's batch's std."""
+    if sampling_round > 0:
+        step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
     global_size = batch_size * world
     per_epoch = max(len(samples) // global_size, 1)
     epoch, k = divmod(step, per_epoch)

@@ -21,31 +21,22 @@ One step: `sample_completions` (no grad) -> `completion_mask` -> rewards (reward
 -> backward. speedups.py re-arranges the sampling and the log-prob passes exactly.
 
 Choices, where the literature differs:
-- Advantage scale: `scale="group"` divides by the group's std (DeepSeekMath; unbiased std with G - 1, as TRL),
-  `"batch"` by the std of all N rewards, `"none"` not at all (Dr. GRPO: the std division over-weights
-  near-uniform groups, i.e. too-easy or too-hard prompts).
-- Normalisation over tokens (`loss_type`): "grpo" averages each sequence, then the sequences (DeepSeekMath;
-  a token of a long completion weighs less), "bnpo"/"dapo" average over all tokens of the batch (DAPO),
-  "dr_grpo" divides by a constant N * max_completion_length (Dr. GRPO; no length bias at all).
-- KL: the k3 estimator, added to the loss per token (DeepSeekMath), not folded into the reward (PPO-RLHF).
-  beta = 0 drops it and the reference model with it (DAPO, Dr. GRPO).
-- Clipping: two epsilons (DAPO's clip-higher); clip_eps_low == clip_eps_high is plain PPO.
+- Advantage scale: the group's std (DeepSeekMath; unbiased, G - 1, as TRL), the batch's, or none (Dr. GRPO:
+  dividing by the std over-weights near-uniform groups, i.e. too-easy or too-hard prompts).
+- Baseline: the group's mean (GRPO), the mean of the other G - 1 (RLOO) or the batch's (REINFORCE++).
+  Several rewards: summed, then normalised, or each normalised in its group first (GDPO).
+- Normalisation over tokens (`aggregate`): per sequence, then over sequences (DeepSeekMath: a token of a long
+  completion weighs less), over the batch's tokens (DAPO), or by a constant (Dr. GRPO: no length bias).
+- Objective (`policy_term`): PPO's clip with two epsilons (DAPO's clip-higher; equal: plain PPO), CISPO's
+  truncated detached ratio, SAPO's smooth gate; `delta` caps the ratio for negative advantages too.
+  The ratio is per token, or per sequence (GSPO: one decision per completion, as the reward is one).
+- KL: the k3 estimator added to the loss per token (DeepSeekMath), not folded into the reward (PPO-RLHF);
+  beta = 0 drops it and the reference pass (DAPO, Dr. GRPO); optionally times the ratio (DeepSeek-V3.2).
 - EOS is an action (in the mask, with gradient); tokens after it are padding (exactly zero gradient).
-- Truncated completions (no EOS within max_new_tokens) keep all their tokens in the loss; DAPO's overlong
-  filtering masks them (`truncated`).
-- Objective (`policy_term`): PPO's clip (DeepSeekMath, DAPO), CISPO's truncated detached ratio on logp
-  (MiniMax-M1: clipped tokens keep a gradient), or SAPO's smooth sigmoid gate (Qwen); `delta` adds
-  INTELLECT-2's upper cap for negative advantages. Off by default: the plain clip.
-- Importance ratio per token (GRPO) or per sequence, the exp of the mean token log-ratio (GSPO: one
-  decision per completion, as the reward is one per completion).
+  Truncated completions keep their tokens unless masked (DAPO's overlong filtering).
 - Tokens trained: all, or the top-entropy share (`high_entropy_mask`, "80/20"); KL and normaliser count all.
-- KL: plain k3 (DeepSeekMath), or k3 times the ratio (`kl_bias_correction`, DeepSeek-V3.2, TRL's default),
-  unbiased when tokens come from an older policy; ours defaults to the plain one.
-- Baseline (`group_advantages`): the group's mean (GRPO), the mean of the others (RLOO), or the batch's
-  (REINFORCE++). Several rewards: summed, then normalised (default), or each normalised within its group
-  first (`normalized_reward_sum`, GDPO), so a reward that is constant in a group adds nothing there.
 - logp is the full temperature-scaled softmax, although top_p < 1 and suppressed tokens truncate the
-  sampler's (the standard choice, as in TRL): ratio and KL compare like with like.
+  sampler's (as in TRL): ratio and KL compare like with like.
 - old_logp: at mu = 1 optimiser step per rollout, logp.detach() (ratio == 1); for mu > 1 a no-grad
   `completion_logprobs`, not generate's log-probs, so the first ratio is exactly 1 (not only to rounding).
 """
@@ -260,9 +251,8 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)  # (N, T) or (N, 1)
     clip = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta)
     sapo = dict(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
-    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **clip, **sapo).expand(
-        mask.shape
-    )  # (N, T)
+    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **clip, **sapo)  # (N, T) or (N, 1)
+    per_token = per_token.expand(mask.shape)  # (N, T)
     if token_mask is not None:
         per_token = torch.where(token_mask, per_token, 0.0)
     kl = None
@@ -510,10 +500,8 @@ def rollout_metrics(
     lengths = mask.sum(dim=1).float()  # (N,)
     metrics = {}
     for name, values in {"reward": rewards, **{f"reward/{k}": v for k, v in components.items()}}.items():
-        metrics[f"{name}/mean"], metrics[f"{name}/std"] = (
-            values.float().mean(),
-            values.float().std(correction=0),
-        )
+        values = values.float()
+        metrics[f"{name}/mean"], metrics[f"{name}/std"] = values.mean(), values.std(correction=0)
     metrics["frac_zero_std_groups"] = _zero_std_groups(rewards, group_size).float().mean()
     metrics["completion_length/mean"], metrics["completion_length/max"] = lengths.mean(), lengths.max()
     metrics["frac_truncated"] = truncated.float().mean()

@@ -263,6 +263,16 @@ class StepLog:
     accuracy: float | None = None  # the latest held-out accuracy, shown on the progress line
     no_signal_in_a_row: int = 0
 
+    def first(self, record: dict) -> None:
+        """The step-0 evaluation, before any training step: metrics.jsonl and the tracker."""
+        append_jsonl(self.out / "metrics.jsonl", record)
+        if self.tracker is not None:
+            self.tracker.log(record, 0)
+
+    def close(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+
     def step(self, record: dict, timings: dict, completions: list[dict], bad_in_a_row: int) -> None:
         step = record["step"]
         for name, rows in (("metrics", [record]), ("timings", [timings]), ("rollouts", completions)):

@@ -30,6 +30,7 @@ import pickle
 import random
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,20 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
             f"{path}: not a plain-data trainer state (it would need to run code to load: {reason}); "
             f"refusing to load it. Was it written by another program or an older version?"
         ) from None
+
+
+def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str]:
+    """(checkpoint folder, trainer state, run id) for resuming the run in `out` from `path`: a checkpoint
+    folder, or a run folder (its newest). A ValueError when it belongs to another run than out/run.json."""
+    checkpoint = Path(path)
+    if not (checkpoint / STATE_FILE).exists():
+        checkpoint = list_checkpoints(checkpoint)[-1]
+    state = load_checkpoint(checkpoint)
+    owner = json.loads((out / "run.json").read_text()).get("run_id") if (out / "run.json").exists() else None
+    run_id = state.get("run_id") or owner or uuid.uuid4().hex  # an older checkpoint may name no run
+    if owner not in (None, run_id):
+        raise ValueError(f"{checkpoint} belongs to another run than {out}/run.json")
+    return checkpoint, state, run_id
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ a flag; `--no-shared-prefill --no-trunk-reuse` (no micro-batches) is the plain p
    `trunk_from_recording` turns the recording into the trunk, so no trunk forward is left at all.
 3. Micro-batches (re-arranges the loss's backward). `split_rows` cuts the N rows, and their images, into
    chunks; `grpo.aggregate` takes the whole batch's num_rows / num_tokens, so the summed gradient is exact.
-Plus the wiring train.py uses (`decoder_parts`, `record_block`, `make_chunks`), with explicit arguments.
+Plus the wiring train.py uses (`parts_for`, `decoder_parts`, `record_block`, `make_chunks`), with keywords.
 
 Letters as in grpo.py, and L decoder blocks, K adapted ones (first_adapted = L - K), H hidden size.
 NOTE: the trunk assumes, as holds for Qwen2 / Qwen2.5-VL: every adapted block receives the same keyword
@@ -487,6 +487,17 @@ def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Modu
     if len(set(types[:1] + types[parts["first_adapted"] :])) > 1:
         raise ValueError("blocks[0] and the adapted blocks differ in attention type; use --no-shared-prefill")
     return parts["blocks"][parts["first_adapted"]]
+
+
+def parts_for(
+    model: torch.nn.Module, *, last_k: int, trunk_reuse: bool, shared_prefill: bool
+) -> tuple[dict[str, Any] | None, torch.nn.Module | None]:
+    """(decoder parts, record block) for the speed-ups in use, computed once per run: the adapted blocks,
+    norm and LM head that trunk reuse runs; the block whose input shared prefill records. None when off."""
+    if not trunk_reuse:
+        return None, None
+    parts = decoder_parts(model, last_k)
+    return parts, (record_block(model, parts) if shared_prefill else None)
 
 
 @dataclass

@@ -13,10 +13,9 @@ below (`train_step`: `rollout`, `frozen_logprobs`, `policy_update`) -> speedups.
 `--no-shared-prefill --no-trunk-reuse`, is the reference: transformers' generate, then one full forward per
 log-prob pass. The defaults re-arrange it exactly (speedups.py, proven equal by tests/test_speed.py).
 
-One step: sample G completions of each of B prompts with the current policy (no grad) -> score them with the
-reward functions -> group advantages -> old and reference log-probs (no grad; the reference is the same model
-with its adapters off) -> recompute the completion log-probs WITH gradient (same images, masks, temperature)
--> PPO-clip + KL loss -> optimizer step on the LoRA parameters only -> log.
+One step: sample G completions of each of B prompts (no grad) -> rewards -> group advantages -> old and
+reference log-probs (no grad; the reference is the model with its adapters off) -> the completion log-probs
+WITH gradient (same images, masks, temperature) -> PPO-clip + KL loss -> optimizer step on LoRA only -> log.
 This file holds the configuration (`Args`), the step, then set-up, resume, checkpoints, logging and `main`.
 """
 
@@ -68,8 +67,8 @@ class Args:
     """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
     shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries)."""
     prompt_template: str | None = None
-    """Text file with placeholders {prompt}, {summaries}, {num_images}: renders samples that carry per-image
-    `summaries` instead of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
+    """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
+    of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
     train_size: int = 2000
     """Number of built-in training samples."""
     eval_size: int = 200
@@ -77,9 +76,8 @@ class Args:
     max_prompt_length: int = 4096
     """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
     box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
-    """The frame the model writes box and point coordinates in, for the grounding rewards (grounding.py):
-    absolute pixels of the resized image (Qwen2.5-VL) or a 0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the
-    model's config. Ground truth stays in original-image pixels."""
+    """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
+    0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
     min_pixels: int | None = None
     """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
     max_pixels: int | None = None
@@ -93,9 +91,8 @@ class Args:
     lora_alpha: float = 16.0
     """LoRA scaling numerator: the update is B @ A * alpha / r."""
     lora_fp32: bool = True
-    """Keep the LoRA weights and their AdamW state in fp32 whatever --dtype (as PEFT does); the LoRA branch
-    still computes in the activation dtype. --no-lora-fp32 keeps them in the base dtype (half their memory,
-    but in bf16 the small updates of real-model learning rates round away)."""
+    """LoRA weights and AdamW state in fp32 whatever --dtype (as PEFT); the branch computes in the activation
+    dtype. --no-lora-fp32: the base dtype (half the memory, but bf16 rounds small updates away)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch input during the gradient pass."""
 
@@ -204,10 +201,9 @@ class Args:
 
     # --- speed (each one leaves the results unchanged; tests/test_speed.py) ---
     shared_prefill: bool = True
-    """Sample with our own decoding loop (speedups.sample_shared_prefill): each prompt's prefill runs once and
-    its KV cache is copied to its G rows, and with --trunk-reuse the frozen trunk's output is recorded on the
-    way (no trunk forward left to run). Same tokens as generate. --no-shared-prefill: transformers' generate,
-    which prefills every prompt G times."""
+    """Our decoding loop (speedups.sample_shared_prefill): each prompt prefilled once, its KV cache copied to
+    its G rows, the frozen trunk recorded on the way (--trunk-reuse). Same tokens as --no-shared-prefill:
+    transformers' generate, which prefills every prompt G times."""
     trunk_reuse: bool = True
     """Compute the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad (with
     --shared-prefill: recorded while sampling, no extra forward), and run only the K adapted blocks for the
@@ -220,9 +216,8 @@ class Args:
 
     # --- logging, evaluation, checkpoints ---
     output_dir: str | None = None
-    """Run folder (default runs/grpo; with --resume, the resumed run's own folder): run.json, metrics.jsonl,
-    rollouts.jsonl, timings.jsonl, checkpoint-*/, adapter/, curves.png. A folder belongs to one run: a
-    folder that holds another run is refused (--resume it, or --overwrite to replace it)."""
+    """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
+    timings.jsonl, checkpoint-*/, adapter/, curves.png. One run per folder (else --resume or --overwrite)."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1
@@ -271,12 +266,9 @@ class Run:
     reward_fns: list[rewards.Reward] = dataclasses.field(default_factory=list)
     accuracy_name: str = ""
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
-    sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampler_options`)
-    loss: dict = dataclasses.field(
-        default_factory=dict
-    )  # grpo_loss's options from the flags (`loss_options`)
-    # speed-ups: the decoder's blocks, norm and LM head (--trunk-reuse) and the block whose input sampling
-    # records as the trunk (--shared-prefill --trunk-reuse); None on the plain path
+    sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
+    loss: dict = dataclasses.field(default_factory=dict)  # grpo_loss's options from the flags
+    # speed-ups (speedups.parts_for): adapted blocks, norm, LM head; the block sampling records at; or None
     parts: dict | None = None
     record_block: torch.nn.Module | None = None
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
@@ -311,7 +303,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     prompts = data.batch_for_step(
         run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
     )
-    ro = rollout(run, prompts, args)  # sample -> score -> advantages, no grad
+    ro = rollout(run, prompts, args, chunks=not args.dynamic_sampling)  # sample -> score -> advantages
     if args.dynamic_sampling:  # DAPO: only groups with a learning signal, topped up from more prompts
         ro, counts = groups_with_signal(run, ro, step, args)
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
@@ -330,17 +322,11 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
     """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows."""
     if not args.log_completions_every or step % args.log_completions_every:
         return []
+    components = {name: values.tolist() for name, values in ro.components.items()}
     rows = logs.rollout_records(
-        step,
-        ro.samples,
-        ro.texts,
-        {name: values.tolist() for name, values in ro.components.items()},
-        ro.reward.tolist(),
-        ro.adv.tolist(),
-        ro.mask.sum(dim=1).tolist(),
-        ro.truncated.tolist(),
-        args.group_size,
-    )
+        step, ro.samples, ro.texts, components, ro.reward.tolist(), ro.adv.tolist(),
+        ro.mask.sum(dim=1).tolist(), ro.truncated.tolist(), args.group_size,
+    )  # fmt: skip
     return distributed.gather_lists(rows) if run.world > 1 else rows
 
 
@@ -380,108 +366,6 @@ def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -
         inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
         reward=reward, components=components, adv=advantages(reward, components, run, args),
         chunks=row_chunks(run, inputs, ids, recording, args) if chunks else [],
-    )  # fmt: skip
-
-
-EXTRA_ROUNDS = 1_000_000  # batch indices of dynamic sampling's extra rounds start here (see batch_for_step)
-
-
-def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Rollout, dict]:
-    """DAPO's dynamic sampling (Yu et al. 2025): drop the groups whose G rewards are all equal (advantage 0,
-    no learning signal) and sample more prompts, round by round, until B groups have a signal or
-    --max-sampling-rounds rounds were drawn; then train on what there is, topped up to B with dropped groups
-    (they add only their KL term). Round r > 0 of a step takes batch index EXTRA_ROUNDS + (step - 1) *
-    (rounds - 1) + r - 1: a pure function of (step, round), so --resume stays exact with no stream to save.
-    Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: the
-    first B*R groups with a signal, in (round, rank, group) order; rank r trains on [r*B, (r+1)*B) of them."""
-    B, G, R = args.batch_size, args.group_size, run.world
-    rounds, signal = [ro], []  # this rank's rollouts; every rank's groups' flags, in global order
-    while True:
-        flags = [bool((ro.reward[g * G : (g + 1) * G] != ro.reward[g * G]).any()) for g in range(B)]
-        signal += distributed.gather_lists(flags) if R > 1 else flags
-        if sum(signal) >= B * R or len(rounds) == args.max_sampling_rounds:
-            break
-        prompts = data.batch_for_step(
-            run.train_samples, round_index(step, len(rounds), args), B, args.seed, run.rank, R
-        )
-        ro = rollout(run, prompts, args, chunks=False)
-        rounds.append(ro)
-    order = [i for i, s in enumerate(signal) if s] + [i for i, s in enumerate(signal) if not s]
-    counts = {
-        "dynamic/groups_sampled": len(signal),
-        "dynamic/groups_kept": min(sum(signal), B * R),
-        "dynamic/rounds": len(rounds),
-    }
-    chosen = order[: B * R][run.rank * B : (run.rank + 1) * B]  # global group i: round, rank, group
-    return rollout_of_groups(run, fetch_groups(run, rounds, chosen, step, args), args), counts
-
-
-def round_index(step: int, k: int, args: Args) -> int:
-    """The batch index of dynamic sampling's round k of a step: the step's own for k = 0, else a stream of
-    its own, disjoint from the steps'."""
-    return step - 1 if k == 0 else EXTRA_ROUNDS + (step - 1) * (args.max_sampling_rounds - 1) + k - 1
-
-
-def fetch_groups(
-    run: Run, rounds: list[Rollout], wanted: list[int], step: int, args: Args
-) -> list[tuple[Rollout, slice]]:
-    """The groups `wanted` (global indices: round, then rank, then group), wherever they were sampled: every
-    rank shares its groups' completions and scores (small data); a group's sample is re-derived from (step,
-    round, rank), a pure function, rather than sent."""
-    B, G, R, K = args.batch_size, args.group_size, run.world, len(rounds)
-    fields = ("completion_ids", "mask", "truncated", "reward")
-
-    def shared(ro: Rollout, rows: slice) -> dict:  # one group as plain lists
-        components = {k: v[rows].tolist() for k, v in ro.components.items()}
-        return {
-            **{f: getattr(ro, f)[rows].tolist() for f in fields},
-            "texts": ro.texts[rows],
-            "components": components,
-        }
-
-    mine = [shared(ro, slice(g * G, (g + 1) * G)) for ro in rounds for g in range(B)]
-    every = distributed.gather_lists(mine) if R > 1 else mine  # rank r's round k group g: (r * K + k) * B + g
-    groups = []
-    for i in wanted:
-        k, r, g = i // (B * R), i // B % R, i % B
-        group = every[(r * K + k) * B + g]
-        sample = data.batch_for_step(run.train_samples, round_index(step, k, args), B, args.seed, r, R)[g]
-        as_tensor = functools.partial(torch.tensor, device=run.device)
-        ro = Rollout(
-            inputs={}, completion_ids=as_tensor(group["completion_ids"]), mask=as_tensor(group["mask"]),
-            truncated=as_tensor(group["truncated"]), texts=group["texts"], samples=[sample] * G,
-            reward=as_tensor(group["reward"], dtype=torch.float32),
-            components={name: as_tensor(v, dtype=torch.float32) for name, v in group["components"].items()},
-            adv=torch.zeros(G), chunks=[],
-        )  # fmt: skip
-        groups.append((ro, slice(0, G)))
-    return groups
-
-
-def rollout_of_groups(run: Run, groups: list[tuple[Rollout, slice]], args: Args) -> Rollout:
-    """One Rollout from groups of several rollouts: prompts re-padded together, completions padded to the
-    longest (masks carried over, never recomputed from padding), advantages of the kept groups."""
-    prompts = [ro.samples[rows.start] for ro, rows in groups]
-    batch = prompt_batch(run, prompts, args)
-    T = max(ro.completion_ids.shape[1] for ro, _ in groups)
-
-    def padded(x: torch.Tensor, value) -> torch.Tensor:  # (G, T_round) -> (G, T)
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    ids = torch.cat([padded(ro.completion_ids[rows], run.tokenizer.pad_token_id) for ro, rows in groups])
-    mask = torch.cat([padded(ro.mask[rows], False) for ro, rows in groups])  # (N, T)
-    reward, truncated = (
-        torch.cat([getattr(ro, k)[rows] for ro, rows in groups]) for k in ("reward", "truncated")
-    )
-    components = {
-        k: torch.cat([ro.components[k][rows] for ro, rows in groups]) for k in groups[0][0].components
-    }
-    texts, samples = ([x for ro, rows in groups for x in getattr(ro, k)[rows]] for k in ("texts", "samples"))
-    inputs = data.repeat_rows(batch, args.group_size).inputs
-    return Rollout(
-        inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
-        reward=reward, components=components, adv=advantages(reward, components, run, args),
-        chunks=row_chunks(run, inputs, ids, None, args),
     )  # fmt: skip
 
 
@@ -598,6 +482,73 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
 
 
 # --------------------------------------------------------------------------------------------------
+# DAPO's dynamic sampling: a step's rollout from the groups that carry a learning signal
+
+
+def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Rollout, dict]:
+    """DAPO's dynamic sampling (Yu et al. 2025): drop the groups whose G rewards are all equal (advantage 0,
+    no learning signal) and sample more prompts, round by round, until B groups have a signal or
+    --max-sampling-rounds rounds were drawn; then train on what there is, topped up to B with dropped groups
+    (they add only their KL term). Round k's prompts are a pure function of (step, k) (data.batch_for_step):
+    --resume stays exact with no stream to save.
+    Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: every
+    rank shares its groups' completions and scores (small data), the first B*R groups with a signal in
+    (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them."""
+    B, G, R = args.batch_size, args.group_size, run.world
+    groups = []  # every rank's groups as plain lists (`group_lists`), in (round, rank, group) order
+    for k in range(args.max_sampling_rounds):
+        if k > 0:
+            rounds = dict(sampling_round=k, rounds=args.max_sampling_rounds)
+            prompts = data.batch_for_step(run.train_samples, step - 1, B, args.seed, run.rank, R, **rounds)
+            ro = rollout(run, prompts, args, chunks=False)
+        mine = [group_lists(ro, slice(g * G, (g + 1) * G)) for g in range(B)]
+        groups += distributed.gather_lists(mine) if R > 1 else mine
+        signal = [any(r != group["reward"][0] for r in group["reward"]) for group in groups]
+        if sum(signal) >= B * R:
+            break
+    order = [i for i, s in enumerate(signal) if s] + [i for i, s in enumerate(signal) if not s]
+    chosen = order[: B * R][run.rank * B : (run.rank + 1) * B]
+
+    def sample(i: int) -> dict:  # global group i: round i // (B*R), rank i // B % R, index i % B
+        rounds = dict(sampling_round=i // (B * R), rounds=args.max_sampling_rounds)  # re-derived, never sent
+        return data.batch_for_step(run.train_samples, step - 1, B, args.seed, i // B % R, R, **rounds)[i % B]
+
+    kept = min(sum(signal), B * R)
+    counts = {"dynamic/groups_sampled": len(groups), "dynamic/groups_kept": kept, "dynamic/rounds": k + 1}
+    return rollout_of_groups(run, [sample(i) for i in chosen], [groups[i] for i in chosen], args), counts
+
+
+def group_lists(ro: Rollout, rows: slice) -> dict:
+    """One group's completions and scores as plain lists, to send between ranks."""
+    columns = {f: getattr(ro, f) for f in ("completion_ids", "mask", "truncated", "reward")}
+    columns.update({f"reward/{name}": values for name, values in ro.components.items()})
+    return {"texts": ro.texts[rows], **{key: values[rows].tolist() for key, values in columns.items()}}
+
+
+def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: Args) -> Rollout:
+    """One Rollout from the chosen groups (`group_lists`) of B prompts: prompts re-padded together,
+    completions padded to the longest (masks carried over, never recomputed from padding), advantages."""
+    T = max(len(group["completion_ids"][0]) for group in groups)
+
+    def column(key: str, pad=None, dtype=None) -> torch.Tensor:  # the groups' rows: (N,), or (N, T) padded
+        values = [x if pad is None else x + [pad] * (T - len(x)) for group in groups for x in group[key]]
+        return torch.tensor(values, dtype=dtype, device=run.device)
+
+    reward = column("reward", dtype=torch.float32)  # (N,)
+    names = [key.removeprefix("reward/") for key in groups[0] if key.startswith("reward/")]
+    components = {name: column(f"reward/{name}", dtype=torch.float32) for name in names}
+    ids = column("completion_ids", pad=run.tokenizer.pad_token_id)  # (N, T)
+    inputs = data.repeat_rows(prompt_batch(run, samples, args), args.group_size).inputs
+    return Rollout(
+        inputs=inputs, completion_ids=ids, mask=column("mask", pad=False), truncated=column("truncated"),
+        texts=[text for group in groups for text in group["texts"]],
+        samples=[s for s in samples for _ in range(args.group_size)],
+        reward=reward, components=components, adv=advantages(reward, components, run, args),
+        chunks=row_chunks(run, inputs, ids, None, args),
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------
 # Set-up: data, rewards, model, LoRA, optimizer
 
 
@@ -610,21 +561,20 @@ FP16_REFUSED = (
 def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError)."""
     a = args
-    ranges = [
+    value = lambda flag: getattr(a, flag[2:].replace("-", "_"))  # --batch-size -> a.batch_size
+    counts = ["--max-new-tokens", "--max-prompt-length", "--steps", "--num-iterations",
+              "--max-sampling-rounds", "--lora-last-k", "--lora-r", "--train-size", "--eval-every",
+              "--save-every", "--keep-last", "--log-every"]  # fmt: skip
+    ranges = [(flag, value(flag) >= 1, "must be >= 1") for flag in counts] + [
         ("--batch-size", a.batch_size >= 1, "must be >= 1 prompt per step"),
         ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
-        ("--max-new-tokens", a.max_new_tokens >= 1, "must be >= 1"),
-        ("--max-prompt-length", a.max_prompt_length >= 1, "must be >= 1"),
         ("--temperature", a.temperature > 0, "must be > 0: at 0 every completion of a group is the same"),
         ("--top-p", 0 < a.top_p <= 1, "must be in (0, 1]"),
-        ("--steps", a.steps >= 1, "must be >= 1"),
         ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
         ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
         ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
         ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
         ("--max-bad-steps", a.max_bad_steps >= 0, "must be >= 0"),
-        ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
-        ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
         ("--micro-batch-size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1"),
         ("--beta", a.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
         ("--clip-eps-low", 0 <= a.clip_eps_low < 1, "must be in [0, 1)"),
@@ -635,50 +585,33 @@ def check_args(args: Args) -> None:
         ("--sapo-temperature-pos", a.sapo_temperature_pos > 0, "must be > 0"),
         ("--sapo-temperature-neg", a.sapo_temperature_neg > 0, "must be > 0"),
         ("--top-entropy-quantile", 0 < a.top_entropy_quantile <= 1, "must be in (0, 1]"),
-        ("--lora-last-k", a.lora_last_k >= 1, "must be >= 1"),
-        ("--lora-r", a.lora_r >= 1, "must be >= 1"),
         ("--lora-alpha", a.lora_alpha > 0, "must be > 0"),
         ("--lora-dropout", 0 <= a.lora_dropout < 1, "must be in [0, 1)"),
-        ("--train-size", a.train_size >= 1, "must be >= 1"),
         ("--eval-size", a.eval_size >= 0, "must be >= 0"),
-        ("--eval-every", a.eval_every >= 1, "must be >= 1"),
-        ("--save-every", a.save_every >= 1, "must be >= 1"),
-        ("--keep-last", a.keep_last >= 1, "must be >= 1"),
-        ("--log-every", a.log_every >= 1, "must be >= 1"),
         ("--log-completions-every", a.log_completions_every >= 0, "must be >= 0 (0: never)"),
         # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
         # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
         ("--dtype", a.dtype != "float16", FP16_REFUSED),
     ]  # fmt: skip
     for flag, ok, message in ranges:
-        cli.check(ok, flag, f"{message}, got {getattr(a, flag[2:].replace('-', '_'))}")
+        cli.check(ok, flag, f"{message}, got {value(flag)}")
     low, high = a.kl_target_low, a.kl_target_high
     cli.check((low is None) == (high is None), "--kl-target-low/--kl-target-high", "give both or neither")
     cli.check(low is None or 0 <= low < high, "--kl-target-low", "must be >= 0 and < --kl-target-high")
     cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
     normalize_first = a.multi_objective_aggregation == "normalize_then_sum"
     cli.check(not (normalize_first and a.gate), "--gate", "has no meaning with normalize_then_sum (no total)")
-    for flag, paths in (
-        ("--data", a.data),
-        ("--eval-data", [a.eval_data]),
-        ("--prompt-template", [a.prompt_template]),
-    ):
-        for path in paths:
-            cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
-    cli.check(
-        bool(a.reward or not a.data), "--reward", "is required with --data (e.g. --reward label format)"
-    )
+    files = [("--data", path) for path in a.data] + [("--eval-data", a.eval_data)]
+    for flag, path in [*files, ("--prompt-template", a.prompt_template)]:
+        cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    required = "is required with --data (e.g. --reward label format)"
+    cli.check(bool(a.reward or not a.data), "--reward", required)
 
 
-def sampler_options(args: Args, tokenizer, generation_config=None) -> dict:
-    """The sampler's keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill): every
-    end-of-turn id the checkpoint lists ends a completion; vision and chat-control tokens are never drawn."""
-    ends = data.end_of_turn_ids(tokenizer, generation_config)
-    return dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        eos_token_id=ends, pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer, ends),  # an image token would have no pixels
-    )  # fmt: skip
+def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
+    """The sampler's keyword arguments from the flags and the checkpoint's end-of-turn ids."""
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    return data.sampling_options(tokenizer, generation_config, **options)
 
 
 def loss_options(args: Args) -> dict:
@@ -692,15 +625,13 @@ def loss_options(args: Args) -> dict:
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
-    names = args.reward or data.TASK_REWARDS.get(task, ())
-    if not names:
-        raise ValueError("--reward is required with --data (e.g. --reward label format)")
-    if args.reward_weight and len(args.reward_weight) != len(names):
-        raise ValueError(f"--reward-weight has {len(args.reward_weight)} values for {len(names)} rewards")
-    weights, gates = list(args.reward_weight) or None, list(args.gate) or None
-    return rewards.parse_reward_specs(
-        list(names), weights, gates, {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
+    """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
+    names, weights = list(args.reward or data.TASK_REWARDS[task]), list(args.reward_weight)
+    cli.check(
+        len(weights) in (0, len(names)), "--reward-weight", f"{len(weights)} values for {len(names)} rewards"
     )
+    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
+    return rewards.parse_reward_specs(names, weights or None, list(args.gate) or None, builtins)
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
@@ -710,18 +641,14 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         args.data, args.eval_data, task=args.task, train_size=args.train_size, eval_size=args.eval_size,
         seed=args.seed, prompt_template=args.prompt_template,
     )  # fmt: skip
-    if world > 1 and len(train_samples) < args.batch_size * world:
-        raise ValueError(
-            f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
-        )
+    too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
+    cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
     reward_fns = resolve_rewards(args, None if args.data else args.task)
-    accuracy_name = args.accuracy_reward or reward_fns[0].name
-    names = [r.name for r in reward_fns]
+    accuracy_name, names = args.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
-        names = [r.name for r in reward_fns]
         box_frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, names)
     resized = data.check_samples(
         train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
@@ -734,7 +661,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
         dtype=lora_dtype,
     )  # fmt: skip
-    parts, record_block = speedup_parts(model, args)
+    speed = dict(last_k=args.lora_last_k, trunk_reuse=args.trunk_reuse, shared_prefill=args.shared_prefill)
+    parts, record_block = speedups.parts_for(model, **speed)  # None, None on the plain path
     if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself
         speedups.enable_plain_checkpointing(model)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
@@ -748,18 +676,9 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         optimizer=optimizer, scheduler=scheduler,
         train_samples=train_samples, held_out=held_out, held_out_ablated=ablated, reward_fns=reward_fns,
         accuracy_name=accuracy_name, box_frame=box_frame,
-        sampling=sampler_options(args, tokenizer, model.generation_config), loss=loss_options(args),
+        sampling=sampling_options(args, tokenizer, model.generation_config), loss=loss_options(args),
         parts=parts, record_block=record_block, rank=rank, world=world,
     )  # fmt: skip
-
-
-def speedup_parts(model: torch.nn.Module, args: Args) -> tuple[dict | None, torch.nn.Module | None]:
-    """(decoder parts, record block) for the speed-ups in use: the adapted blocks, norm and LM head that
-    --trunk-reuse runs; the block whose input --shared-prefill records as the trunk. None when off."""
-    if not args.trunk_reuse:
-        return None, None
-    parts = speedups.decoder_parts(model, args.lora_last_k)
-    return parts, (speedups.record_block(model, parts) if args.shared_prefill else None)
 
 
 def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
@@ -777,60 +696,34 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
 
 
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
-    state = {
-        "step": step,
-        "beta": beta,
-        "run_id": run_id,
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "args": dataclasses.asdict(args),
-    }
+    """A checkpoint folder (model_io.save_checkpoint): the adapter, and the state --resume reads back."""
+    state = dict(
+        step=step, beta=beta, run_id=run_id, optimizer=run.optimizer.state_dict(),
+        scheduler=run.scheduler.state_dict(), args=dataclasses.asdict(args),
+    )  # fmt: skip
+    adapter = functools.partial(lora.save_adapter, run.model, base_model_name_or_path=args.model)
     model_io.save_checkpoint(
-        directory,
-        write_adapter=lambda d: lora.save_adapter(run.model, d, base_model_name_or_path=args.model),
-        state=state,
-        keep_last=args.keep_last,
-        run_id=run_id,
+        directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
     )
 
 
 def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     """Load adapter, optimizer, scheduler and RNG states of the latest checkpoint (or the one named):
     (step, beta, run id). Refuses a checkpoint of another run than the folder's run.json."""
-    checkpoint = Path(path)
-    if not (checkpoint / model_io.STATE_FILE).exists():
-        checkpoint = model_io.list_checkpoints(checkpoint)[-1]
+    with cli.user_errors("--resume: "):
+        checkpoint, state, run_id = model_io.checkpoint_to_resume(path, out)
     with cli.user_errors(f"--resume {checkpoint}: "):
-        state = model_io.load_checkpoint(checkpoint)
         lora.load_adapter(run.model, checkpoint)
-    owner = json.loads((out / "run.json").read_text()).get("run_id") if (out / "run.json").exists() else None
-    run_id = state.get("run_id") or owner or uuid.uuid4().hex
-    cli.check(owner in (None, run_id), "--resume", f"{checkpoint} belongs to another run than {out}/run.json")
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     model_io.set_rng_state(state["rng"])
     return state["step"], state["beta"], run_id
 
 
-def next_beta(beta: float, stats: dict[str, float], args: Args) -> float:
-    """The KL weight for the next step: adaptive (grpo.adapt_beta) when a KL band is given, else fixed."""
-    if args.kl_target_low is None or args.kl_target_high is None or "kl" not in stats:
-        return beta
-    return grpo.adapt_beta(
-        beta,
-        stats["kl"],
-        kl_target_low=args.kl_target_low,
-        kl_target_high=args.kl_target_high,
-        factor=args.kl_adapt_factor,
-    )
-
-
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
     """Why the run stops after this step (a signal on any rank, too many bad steps), or None to go on.
-
-    NOTE: the requests are read ONCE and the decision is taken from the all-reduced value alone: a signal
-    arriving between the all-reduce and a second read would otherwise stop this rank and not the others.
-    """
+    NOTE: the requests are read ONCE, and only the all-reduced value decides: a signal arriving between the
+    all-reduce and a second read would stop this rank and not the others."""
     requests = list(stop.requests)
     if distributed.any_rank(bool(requests)):
         return requests[0] if requests else "a stop request on another rank"
@@ -845,34 +738,27 @@ def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
 
 @torch.no_grad()
 def evaluate(run: Run, args: Args) -> dict:
-    """Greedy decoding on the held-out samples: accuracy (accuracy reward == 1) and mean total reward, and
-    the same with the images ablated (--eval-image-ablation)."""
-    metrics = evaluate_on(run, args, run.held_out)
-    if run.held_out_ablated:
-        mode = args.eval_image_ablation
-        ablated = evaluate_on(run, args, run.held_out_ablated)
-        metrics.update({f"{key}_{mode}": value for key, value in ablated.items()})
-    return metrics
-
-
-@torch.no_grad()
-def evaluate_on(run: Run, args: Args, samples: list[dict]) -> dict:
+    """Greedy decoding on the held-out samples: accuracy (accuracy reward == 1) and mean total reward; the
+    same with the images ablated as eval/accuracy_<mode> (--eval-image-ablation)."""
     run.model.eval()
-    totals, correct = [], []
-    for i in range(0, len(samples), 50):
-        chunk = samples[i : i + 50]
-        batch = prompt_batch(run, chunk, args)
-        greedy = {**run.sampling, "temperature": 0.0}
-        ids, _ = speedups.sample(
-            run.model, batch.inputs, group_size=1, shared_prefill=args.shared_prefill, **greedy
-        )
-        mask, _ = grpo.completion_mask(ids, run.sampling["eos_token_id"])
-        texts = data.decode_completions(run.tokenizer, ids, mask, run.sampling["eos_token_id"])
-        chunk = data.with_grounding(chunk, batch, run.box_frame)
-        scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
-        totals += scores.total
-        correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
-    return {"eval/accuracy": sum(correct) / len(correct), "eval/reward": sum(totals) / len(totals)}
+    metrics, greedy = {}, {**run.sampling, "temperature": 0.0}
+    for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
+        totals, correct = [], []
+        for i in range(0, len(samples), 50):
+            chunk = samples[i : i + 50]
+            batch = prompt_batch(run, chunk, args)
+            options = dict(group_size=1, shared_prefill=args.shared_prefill, **greedy)
+            ids, _ = speedups.sample(run.model, batch.inputs, **options)  # (n, T)
+            mask, _ = grpo.completion_mask(ids, greedy["eos_token_id"])
+            texts = data.decode_completions(run.tokenizer, ids, mask, greedy["eos_token_id"])
+            chunk = data.with_grounding(chunk, batch, run.box_frame)
+            scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
+            totals += scores.total
+            correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
+        if samples:
+            metrics[f"eval/accuracy{suffix}"] = sum(correct) / len(correct)
+            metrics[f"eval/reward{suffix}"] = sum(totals) / len(totals)
+    return metrics
 
 
 def print_if(condition: bool, *values) -> None:
@@ -946,15 +832,13 @@ def main(args: Args) -> dict:
                 args.temperature, accuracy=(first or {}).get("eval/accuracy"),
             )  # fmt: skip
             if first is not None:
-                logs.append_jsonl(out / "metrics.jsonl", first)
-                if tracker is not None:
-                    tracker.log(first, 0)
+                log.first(first)
         distributed.barrier()
         try:
             return train_loop(run, args, stop, log, out, start_step, beta, run_id)
         finally:
-            if log is not None and log.tracker is not None:
-                log.tracker.close()
+            if log is not None:
+                log.close()
 
 
 def train_loop(
@@ -966,11 +850,11 @@ def train_loop(
     for step in range(start_step + 1, args.steps + 1):
         record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
-        beta = next_beta(beta, record, args)
+        if args.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
+            band = dict(kl_target_low=args.kl_target_low, kl_target_high=args.kl_target_high)
+            beta = grpo.adapt_beta(beta, record["kl"], **band, factor=args.kl_adapt_factor)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-        if (
-            log is not None
-        ):  # NOTE: no collectives inside evaluate; the other ranks wait at the next all-reduce
+        if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
             if run.held_out and (step % args.eval_every == 0 or step == args.steps):
                 record.update(evaluate(run, args))
             log.step(record, timings, completions, bad_in_a_row)
@@ -979,19 +863,12 @@ def train_loop(
             save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
         if halt:
             distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
-            message = (
-                f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
-                + resume_command(out)
-            )
+            again = f"python train.py --resume {out} <the same flags, --steps may grow>"
+            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: {again}"
             if stop.requests:
                 raise cli.Stopped(message)
             raise SystemExit(message)
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
-
-
-def resume_command(out: Path) -> str:
-    """The command that continues the run in `out` (the flags are read back from its run.json)."""
-    return f"python train.py --resume {out} <the same flags, --steps may grow>"
 
 
 if __name__ == "__main__":

@@ -175,22 +175,17 @@ def generate(
     """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags, and
     the `sample` with its image frame for the grounding rewards (data.with_grounding)."""
     k = args.num_samples
-    ends = data.end_of_turn_ids(tokenizer, model.generation_config)  # every id that ends a turn
+    greedy = k == 1
+    options = data.sampling_options(
+        tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+    )  # fmt: skip
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
-    ids, _ = speedups.sample(
-        model,
-        batch.inputs,  # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
-        group_size=k,
-        shared_prefill=True,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature if k > 1 else 0.0,  # k == 1: greedy
-        top_p=args.top_p if k > 1 else 1.0,
-        eos_token_id=ends,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer, ends),  # image tokens would have no pixels
-    )  # (B*k, T)
+    # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
+    ids, _ = speedups.sample(model, batch.inputs, group_size=k, shared_prefill=True, **options)  # (B*k, T)
+    ends = options["eos_token_id"]
     mask, truncated = grpo.completion_mask(ids, ends)  # (B*k, T), (B*k,)
     texts = data.decode_completions(tokenizer, ids, mask, ends)
     lengths, truncated = mask.sum(1).tolist(), truncated.tolist()

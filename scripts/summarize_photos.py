@@ -437,19 +437,11 @@ def summarise_photos(
     """(summary on one line, truncated) of each photo, asked about with that photo alone in its prompt."""
     samples = [{"images": [str(p)], "prompt": prompt, "_where": f"group {g.id!r}"} for g, p in photos]
     batch = data.prepare_prompts(samples, tokenizer, image_processor, device=device)
-    ends = data.end_of_turn_ids(tokenizer, model.generation_config)  # every id that ends a turn
-    ids, _ = speedups.sample(
-        model,
-        batch.inputs,
-        group_size=1,
-        shared_prefill=True,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=1.0,
-        eos_token_id=ends,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=data.suppressed_tokens(tokenizer, ends),  # image tokens would have no pixels
-    )  # (photos, T)
+    options = data.sampling_options(
+        tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens, temperature=args.temperature
+    )
+    ids, _ = speedups.sample(model, batch.inputs, group_size=1, shared_prefill=True, **options)  # (photos, T)
+    ends = options["eos_token_id"]
     mask, truncated = grpo.completion_mask(ids, ends)  # (photos, T), (photos,)
     texts = data.decode_completions(tokenizer, ids, mask, ends)
     # Stage B puts each summary on one numbered line: a newline inside it would start a line of no photo.

@@ -202,10 +202,12 @@ def random_causal_lm() -> Qwen2ForCausalLM:
 
 def make_run(model, args, **fields):
     """A train.Run around `model` with the speed-up parts `args` asks for, as train.build_run makes it."""
+    import speedups
     import train
 
-    parts, record_block = train.speedup_parts(model, args)
+    speed = dict(last_k=args.lora_last_k, trunk_reuse=args.trunk_reuse, shared_prefill=args.shared_prefill)
+    parts, record_block = speedups.parts_for(model, **speed)
     tokenizer = fields.get("tokenizer")
-    sampling = train.sampler_options(args, tokenizer) if tokenizer is not None else {}
+    sampling = train.sampling_options(args, tokenizer) if tokenizer is not None else {}
     options = dict(sampling=sampling, loss=train.loss_options(args), parts=parts, record_block=record_block)
     return train.Run(model=model, **options, **fields)

@@ -49,6 +49,17 @@ def test_end_of_turn_ids_are_the_tokenizers_eos_and_every_id_the_generation_conf
     )
 
 
+def test_sampling_options_end_on_every_end_of_turn_id_and_suppress_image_tokens_but_never_an_end(tokenizer):
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    listed = GenerationConfig(eos_token_id=[im_end, endoftext])
+    options = data.sampling_options(tokenizer, listed, max_new_tokens=5, temperature=0.7, top_p=0.9)
+    assert options["eos_token_id"] == sorted([im_end, endoftext])
+    assert IMAGE_PAD_ID in options["suppress_token_ids"]
+    assert not set(options["suppress_token_ids"]) & {im_end, endoftext}
+    assert options["pad_token_id"] == tokenizer.pad_token_id
+    assert (options["max_new_tokens"], options["temperature"], options["top_p"]) == (5, 0.7, 0.9)
+
+
 def test_completion_mask_ends_each_row_at_the_first_of_several_end_ids():
     ids = torch.tensor([[5, 7, 9, 2], [5, 2, 7, 9], [5, 6, 8, 8]])  # rows end on 7, on 2, never
     mask, truncated = grpo.completion_mask(ids, [2, 7])

@@ -241,6 +241,20 @@ def test_keep_last_with_a_run_id_prunes_only_that_runs_older_checkpoints(tmp_pat
     assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (5, 6, 7)]
 
 
+def test_resume_takes_a_run_folders_newest_checkpoint_or_the_one_named_and_refuses_another_runs(tmp_path):
+    for step in (1, 2):
+        state = {"step": step, "run_id": "run-a"}
+        model_io.save_checkpoint(
+            tmp_path / f"checkpoint-{step}", write_adapter=write_adapter_file, state=state, keep_last=None
+        )
+    checkpoint, state, run_id = model_io.checkpoint_to_resume(tmp_path, tmp_path)
+    assert (checkpoint.name, state["step"], run_id) == ("checkpoint-2", 2, "run-a")
+    assert model_io.checkpoint_to_resume(tmp_path / "checkpoint-1", tmp_path)[1]["step"] == 1
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-b"}))  # the folder now holds another run
+    with pytest.raises(ValueError, match="checkpoint-2 belongs to another run"):
+        model_io.checkpoint_to_resume(tmp_path, tmp_path)
+
+
 def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):
     save(tmp_path, 1)
     leftover = tmp_path / "checkpoint-2.tmp"
