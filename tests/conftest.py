@@ -65,42 +65,6 @@ def _text_config(num_layers: int, vocab_size: int, eos_token_id: int) -> dict:
     )
 
 
-def make_random_vlm(seed: int = 0, num_layers: int = 6) -> Qwen2_5_VLForConditionalGeneration:
-    cfg = Qwen2_5_VLConfig(
-        text_config=dict(
-            **_text_config(num_layers, VOCAB, EOS_ID),
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=64,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=56,
-            fullatt_block_indexes=[1],
-        ),
-        image_token_id=IMAGE_PAD_ID,
-        video_token_id=VIDEO_PAD_ID,
-        vision_start_token_id=VISION_START_ID,
-        vision_end_token_id=VISION_END_ID,
-        bos_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
-    torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(cfg).eval()
-
-
-def make_random_causal_lm(seed: int = 0, num_layers: int = 4) -> Qwen2ForCausalLM:
-    cfg = Qwen2Config(**_text_config(num_layers, VOCAB, EOS_ID))
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(cfg).eval()
-
-
 # --- every family the README names ---------------------------------------------------------------------
 
 FAMILIES = ("qwen2.5-vl", "qwen2-vl", "qwen3-vl", "qwen2", "qwen3", "llama")
@@ -170,9 +134,20 @@ def make_random_model(
             vision_start_token_id=VISION_START_ID,
             vision_end_token_id=VISION_END_ID,
             tie_word_embeddings=False,
+            bos_token_id=PAD_ID,
+            eos_token_id=eos_token_id,
+            pad_token_id=PAD_ID,
         )
     torch.manual_seed(seed)
     return model_class(config).eval()
+
+
+def make_random_vlm(seed: int = 0, num_layers: int = 6) -> Qwen2_5_VLForConditionalGeneration:
+    return make_random_model("qwen2.5-vl", seed=seed, num_layers=num_layers)
+
+
+def make_random_causal_lm(seed: int = 0, num_layers: int = 4) -> Qwen2ForCausalLM:
+    return make_random_model("qwen2", seed=seed, num_layers=num_layers)
 
 
 def save_random_checkpoint(family: str, directory: Path, **text_config) -> Path:
