@@ -412,3 +412,22 @@ def parse_reward_specs(
     return [
         Reward(s, load_reward(s, builtins=builtins), float(w), s in gates) for s, w in zip(specs, weights)
     ]
+
+
+def rewards_from_flags(
+    names: Sequence[str],
+    weights: Sequence[float] = (),
+    gates: Sequence[str] = (),
+    builtins: Mapping[str, RewardFn] | None = None,
+) -> list[Reward]:
+    """--reward, --reward-weight and --gate, as every command of this project reads them: parse_reward_specs,
+    with each mistake a ValueError whose message starts with the flag at fault."""
+    if weights and len(weights) != len(names):
+        raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
+    unknown = sorted(set(gates) - set(names))
+    if unknown:
+        raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
+    try:
+        return parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
+    except ValueError as e:  # a plug-in that does not import, a name that is no reward: --reward's fault
+        raise ValueError(f"--reward: {e}") from e

@@ -626,12 +626,9 @@ def loss_options(args: Args) -> dict:
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
-    names, weights = list(args.reward or data.TASK_REWARDS[task]), list(args.reward_weight)
-    cli.check(
-        len(weights) in (0, len(names)), "--reward-weight", f"{len(weights)} values for {len(names)} rewards"
-    )
-    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
-    return rewards.parse_reward_specs(names, weights or None, list(args.gate) or None, builtins)
+    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
+    names = args.reward or data.TASK_REWARDS[task]
+    return rewards.rewards_from_flags(names, args.reward_weight, args.gate, builtins)
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:

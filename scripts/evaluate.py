@@ -201,17 +201,9 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
     names = args.reward or data.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
-    n_weights = len(args.reward_weight)
-    cli.check(
-        n_weights in (0, len(names)), "--reward-weight", f"has {n_weights} values for {len(names)} rewards"
-    )
-    unknown = sorted(set(args.gate) - set(names))
-    cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {list(names)}")
-    with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
-        builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's by name too
-        return rewards.parse_reward_specs(
-            list(names), list(args.reward_weight) or None, list(args.gate) or None, builtins
-        )
+    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
+    with cli.user_errors():
+        return rewards.rewards_from_flags(names, args.reward_weight, args.gate, builtins)
 
 
 @contextlib.contextmanager

@@ -289,17 +289,10 @@ def check_args(args: Args) -> tuple[Path, Path, Path]:
 
 def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Reward]:
     """--reward (or the prompts' default), --reward-weight and --gate; a mistake in them is a UsageError."""
-    names = list(args.reward or default_rewards(prompts))
-    n_weights = len(args.reward_weight)
-    cli.check(
-        n_weights in (0, len(names)), "--reward-weight", f"has {n_weights} values for {len(names)} rewards"
-    )
-    unknown = sorted(set(args.gate) - set(names))
-    cli.check(not unknown, "--gate", f"{unknown} are not among the rewards {names}")
-    with cli.user_errors("--reward: "):  # a plug-in that does not import, a name that is not a reward
-        builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's by name too
-        return rewards.parse_reward_specs(
-            names, list(args.reward_weight) or None, list(args.gate) or None, builtins
+    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
+    with cli.user_errors():
+        return rewards.rewards_from_flags(
+            args.reward or default_rewards(prompts), args.reward_weight, args.gate, builtins
         )
 
 

@@ -17,6 +17,7 @@ from rewards import (
     numeric_match,
     overlong_penalty,
     parse_reward_specs,
+    rewards_from_flags,
     score,
     think_answer_format,
 )
@@ -430,6 +431,22 @@ def test_parse_reward_specs_builds_weighted_gated_rewards():
 def test_parse_reward_specs_rejects_inconsistent_lists(weights, gates, message):
     with pytest.raises(ValueError, match=message):
         parse_reward_specs(["format", "label"], weights, gates)
+
+
+@pytest.mark.parametrize(
+    "weights, gates, spec, message",
+    [
+        ([1.0], (), "label", r"^--reward-weight: has 1 values for 2 rewards"),
+        ((), ["iou"], "label", r"^--gate: \['iou'\] are not among the rewards"),
+        ((), (), "no_such_reward", r"^--reward: .*no_such_reward"),
+    ],
+)
+def test_rewards_from_flags_name_the_flag_at_fault(weights, gates, spec, message):
+    with pytest.raises(ValueError, match=message):
+        rewards_from_flags(["format", spec], weights, gates)
+    assert rewards_from_flags(["format", "label"], [0.5, 1.0], ["format"]) == parse_reward_specs(
+        ["format", "label"], [0.5, 1.0], ["format"]
+    )
 
 
 # --- portability ------------------------------------------------------------------------------------------
