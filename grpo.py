@@ -515,7 +515,7 @@ def rollout_metrics(
     return {key: float(value) for key, value in metrics.items()}
 
 
-# --- schedules: the KL weight and the learning rate ---------------------------------------------------------
+# --- the KL weight: adaptive beta ---------------------------------------------------------------------------
 
 
 def adapt_beta(
@@ -536,17 +536,3 @@ def adapt_beta(
     if kl < kl_target_low:
         return beta / factor
     return beta
-
-
-def cosine_with_warmup(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to the peak learning rate over warmup_steps, then a cosine decay to 0 at total_steps."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -7,6 +7,7 @@
   the embedded tiny model in `assets/` tests the real loading path offline.
 - `save_model` writes a full model with `save_pretrained` (call `lora.unload_lora` first to get a
   LoRA-merged checkpoint that any transformers user can load).
+- `cosine_with_warmup` is the learning-rate schedule both trainers use (its state is in every checkpoint).
 - `save_checkpoint` / `load_checkpoint` write and read a training checkpoint folder atomically: it is
   built under a temporary name and renamed into place only when complete, so a crash during a save
   leaves the previous checkpoint intact. The adapter is written by a callback (this module does not
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import numbers
 import os
 import pickle
@@ -98,6 +100,21 @@ def save_model(model, tokenizer, image_processor, directory: str | Path) -> None
 
 # --------------------------------------------------------------------------------------------------
 # Checkpoints
+
+
+def cosine_with_warmup(
+    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to the peak learning rate over warmup_steps, then a cosine decay to 0 at total_steps."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
 
 STATE_FILE = "trainer_state.pt"
 OWNER_FILE = "checkpoint.json"

@@ -665,7 +665,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
     ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
-    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
     return Run(

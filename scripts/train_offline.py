@@ -655,7 +655,7 @@ def run_grpo(model, batches, inputs_of, finish, args: Args) -> None:
     """GRPO epochs E+1..E+M against the frozen old_logp; a fresh AdamW (the RCE moments fit another loss)."""
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     total = args.grpo_epochs * len(batches)
-    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=total)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=total)
     max_len = max(b.completion_ids.shape[1] for b in batches)  # dr_grpo's constant normaliser
     for g in range(args.grpo_epochs):
         t0, epoch, lr = time.time(), args.rce_epochs + g + 1, scheduler.get_last_lr()[0]

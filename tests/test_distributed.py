@@ -102,7 +102,7 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
                 p.copy_(saved)
         params = lora.lora_parameters(model)
         optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-        scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
+        scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
         run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world_size)
         ro = rank_rollout(run, fixed, args, rank, world_size)
         stats = train.policy_update(run, ro, args, args.beta)

@@ -4,6 +4,7 @@ identically, checkpoints are atomic and restore RNG exactly; plus the project-wi
 import ast
 import copy
 import json
+import math
 import random
 import socket
 import sys
@@ -253,6 +254,19 @@ def test_resume_takes_a_run_folders_newest_checkpoint_or_the_one_named_and_refus
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-b"}))  # the folder now holds another run
     with pytest.raises(ValueError, match="checkpoint-2 belongs to another run"):
         model_io.checkpoint_to_resume(tmp_path, tmp_path)
+
+
+def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=2, total_steps=6)
+    lrs = []
+    for _ in range(8):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # warm-up 1/2, 2/2; then cos over 4 steps: progress 0, 1/4, 2/4, 3/4, 1, then held at 1 (lr 0)
+    expected = [0.5, 1.0, 1.0, (1 + math.sqrt(0.5)) / 2, 0.5, (1 - math.sqrt(0.5)) / 2, 0.0, 0.0]
+    assert lrs == pytest.approx(expected, abs=1e-12)
 
 
 def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):

@@ -130,7 +130,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
     model, tokenizer, image_processor = load_tiny_with_lora()
     params = lora.lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     before = snapshot(model)
     frozen_keys = [k for k in before if "lora_" not in k]
     assert any(".visual." in k or k.startswith("model.visual") for k in frozen_keys)  # the tower is compared
@@ -271,7 +271,7 @@ def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forwar
     monkeypatch.setattr(grpo, "completion_logprobs", spy)
     hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen_forward.append(dict(kw)), with_kwargs=True)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
-    scheduler = grpo.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
     run.optimizer, run.scheduler = optimizer, scheduler
     train.policy_update(run, ro, args, args.beta)
     hook.remove()
