@@ -264,7 +264,8 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
     if not (checkpoint / STATE_FILE).exists():
         checkpoint = list_checkpoints(checkpoint)[-1]
     state = load_checkpoint(checkpoint)
-    owner = json.loads((out / "run.json").read_text()).get("run_id") if (out / "run.json").exists() else None
+    run_json = out / "run.json"
+    owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
     run_id = state.get("run_id") or owner or uuid.uuid4().hex  # an older checkpoint may name no run
     if owner not in (None, run_id):
         raise ValueError(f"{checkpoint} belongs to another run than {out}/run.json")

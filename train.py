@@ -738,16 +738,16 @@ def evaluate(run: Run, args: Args) -> dict:
     """Greedy decoding on the held-out samples: accuracy (accuracy reward == 1) and mean total reward; the
     same with the images ablated as eval/accuracy_<mode> (--eval-image-ablation)."""
     run.model.eval()
-    metrics, greedy = {}, {**run.sampling, "temperature": 0.0}
+    metrics, ends = {}, run.sampling["eos_token_id"]
+    greedy = dict(run.sampling, temperature=0.0, group_size=1, shared_prefill=args.shared_prefill)
     for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
         totals, correct = [], []
         for i in range(0, len(samples), 50):
             chunk = samples[i : i + 50]
             batch = prompt_batch(run, chunk, args)
-            options = dict(group_size=1, shared_prefill=args.shared_prefill, **greedy)
-            ids, _ = speedups.sample(run.model, batch.inputs, **options)  # (n, T)
-            mask, _ = grpo.completion_mask(ids, greedy["eos_token_id"])
-            texts = data.decode_completions(run.tokenizer, ids, mask, greedy["eos_token_id"])
+            ids, _ = speedups.sample(run.model, batch.inputs, **greedy)  # (n, T)
+            mask, _ = grpo.completion_mask(ids, ends)
+            texts = data.decode_completions(run.tokenizer, ids, mask, ends)
             chunk = data.with_grounding(chunk, batch, run.box_frame)
             scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
             totals += scores.total
