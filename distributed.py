@@ -8,7 +8,8 @@ rank normalises its loss by the global batch's rows and tokens (`batch_counts`),
 ranks' gradients (`all_reduce_gradients`) is the gradient of the one-process loss on B*R prompts: the update
 equals one process's. DistributedDataParallel is not used: its wrapper would hide the model's `generate` and
 the adapters-off switch of the reference pass, and only the LoRA gradients need reducing.
-With R = 1 nothing here is called (train.py checks `world > 1`), and one process runs exactly as without it.
+With R = 1 no process group exists and every collective here returns its argument (or does nothing): the
+training step calls them unconditionally and one process runs exactly as without them.
 NCCL on CUDA, gloo on the CPU (2 gloo ranks = 1 process is a test). Imports torch and the stdlib only.
 """
 
@@ -65,7 +66,10 @@ def _collective_device() -> torch.device:
 
 def seed_rank_stream(seed: int, step: int, rank: int) -> None:
     """Reseed this rank's sampling (and LoRA dropout) for `step` from (seed, step, rank): ranks draw different
-    completions, and a resumed run draws the same ones again from rank 0's checkpoint alone."""
+    completions, and a resumed run draws the same ones again from rank 0's checkpoint alone. One process keeps
+    its single stream (saved in each checkpoint)."""
+    if not initialized():
+        return
     torch.manual_seed((seed * 1_000_003 + step) * 10_007 + rank)
 
 
@@ -133,6 +137,13 @@ def gather_lists(items: list) -> list:
     gathered: list[list] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, items)
     return [item for rank_items in gathered for item in rank_items]
+
+
+def gather_tensor(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `values`, concatenated in rank order, on every rank (one process: `values` itself)."""
+    if not initialized():
+        return values
+    return torch.tensor(gather_lists(values.tolist()), dtype=values.dtype, device=values.device)
 
 
 def any_rank(flag: bool) -> bool:

@@ -414,6 +414,35 @@ def parse_reward_specs(
     ]
 
 
+@dataclasses.dataclass
+class RewardConfig:
+    """Which rewards score a completion, how they combine, and which one means "correct". Field names are
+    the commands' flags (train.py, scripts/evaluate.py)."""
+
+    reward: tuple[str, ...] = ()
+    """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
+    answer_match (shapes) or label and format (inspection, summaries). Built-ins, each 0 or 1 unless said:
+    label: the first line's verdict (通过/不通过) equals the sample's "label";
+    format: exactly two lines, a verdict, then "理由: <reason>";
+    exact_match: the answer text (inside <answer>, if any) equals the sample's "answer";
+    answer_match: the same after normalising case, spaces and punctuation;
+    numeric_match: the last number of the answer is close to the sample's "answer";
+    think_answer_format: <think>...</think><answer>...</answer> and nothing else;
+    iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
+    box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
+    point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons
+    "region", or outside them within "margin"; count: the number of boxes (or points) equals "count".
+    The grounding rewards read coordinates in --box-frame and compare in original pixels (grounding.py).
+    Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
+    reward_weight: tuple[float, ...] = ()
+    """One weight per --reward (default 1.0 each)."""
+    gate: tuple[str, ...] = ()
+    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+    accuracy_reward: str | None = None
+    """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
+    the first --reward."""
+
+
 def rewards_from_flags(
     names: Sequence[str],
     weights: Sequence[float] = (),

@@ -179,27 +179,6 @@ def sample_shared_prefill(
     return completion_ids, (torch.cat(recorded, dim=1) if recorded else None)
 
 
-def sample(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    *,
-    group_size: int,
-    shared_prefill: bool,
-    record_block: torch.nn.Module | None = None,
-    **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """G completions of each of the B prompts, (ids (N, T), trunk recording or None): `sample_shared_prefill`
-    or, with shared_prefill False, the reference `grpo.sample_completions`. `options` are the samplers'
-    (max_new_tokens, temperature, top_p, eos_token_id, pad_token_id, suppress_token_ids)."""
-    if shared_prefill:
-        return sample_shared_prefill(
-            model, inputs, group_size=group_size, record_block=record_block, **options
-        )
-    if record_block is not None:
-        raise ValueError("recording the trunk needs shared_prefill")
-    return grpo.sample_completions(model, inputs, num_return_sequences=group_size, **options)[0], None
-
-
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------
 
 
@@ -456,7 +435,40 @@ def split_rows(
     return chunks
 
 
-# --- the wiring train.py uses -------------------------------------------------------------------------------
+# --- the choice, made once per run, and the three calls the step makes through it ---------------------------
+
+
+@dataclass
+class SpeedConfig:
+    """Which re-arrangements a run uses; none changes the results. Field names are train.py's flags."""
+
+    shared_prefill: bool = True
+    """Our decoding loop (speedups.sample_shared_prefill): each prompt prefilled once, its KV cache copied to
+    its G rows, the frozen trunk recorded on the way (--trunk-reuse). Same tokens as --no-shared-prefill:
+    transformers' generate, which prefills every prompt G times."""
+    trunk_reuse: bool = True
+    """Compute the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad (with
+    --shared-prefill: recorded while sampling, no extra forward), and run only the K adapted blocks for the
+    policy, the reference and the old policy. --no-trunk-reuse: a full forward for each."""
+    micro_batch_size: int | None = None
+    """Rows per chunk of the log-prob recomputes and of the backward (gradient accumulation, same loss).
+    None: all N = B*G rows at once."""
+    gradient_checkpointing: bool = False
+    """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
+
+    def check(self) -> None:
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"--micro-batch-size: must be >= 1, got {self.micro_batch_size}")
+
+
+@dataclass
+class Plan:
+    """The speed-ups of one run, chosen once (`choose`); `sample`, `row_chunks` and `chunk_logprobs` read it,
+    so the training step has one text for every path. All None / False: the plain path of grpo.py."""
+
+    config: SpeedConfig
+    parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
+    record_block: torch.nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
 
 
 def decoder_parts(model: torch.nn.Module, last_k: int) -> dict[str, Any]:
@@ -489,15 +501,33 @@ def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Modu
     return parts["blocks"][parts["first_adapted"]]
 
 
-def parts_for(
-    model: torch.nn.Module, *, last_k: int, trunk_reuse: bool, shared_prefill: bool
-) -> tuple[dict[str, Any] | None, torch.nn.Module | None]:
-    """(decoder parts, record block) for the speed-ups in use, computed once per run: the adapted blocks,
-    norm and LM head that trunk reuse runs; the block whose input shared prefill records. None when off."""
-    if not trunk_reuse:
-        return None, None
+def choose(model: torch.nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
+    """The run's Plan, once, after LoRA is injected: the decoder parts trunk reuse runs, the block shared
+    prefill records at; for checkpointing without a trunk, transformers' own checkpointing switched on."""
+    if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
+        enable_plain_checkpointing(model)
+    if not config.trunk_reuse:
+        return Plan(config)
     parts = decoder_parts(model, last_k)
-    return parts, (record_block(model, parts) if shared_prefill else None)
+    return Plan(config, parts, record_block(model, parts) if config.shared_prefill else None)
+
+
+def sample(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    plan: Plan,
+    *,
+    group_size: int,
+    record: bool = True,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """G completions of each of the B prompts, (ids (N, T), trunk recording or None): `sample_shared_prefill`
+    or, on the plain path, `grpo.sample_completions`. `options` are the samplers' (max_new_tokens,
+    temperature, top_p, eos_token_id, pad_token_id, suppress_token_ids); `record` False: no recording."""
+    if plan.config.shared_prefill:
+        block = plan.record_block if record else None
+        return sample_shared_prefill(model, inputs, group_size=group_size, record_block=block, **options)
+    return grpo.sample_completions(model, inputs, num_return_sequences=group_size, **options)[0], None
 
 
 @dataclass
@@ -510,37 +540,45 @@ class RowChunk:
     trunk: Trunk | None = None
 
 
-def make_chunks(
+def row_chunks(
     model: torch.nn.Module,
     inputs: dict[str, torch.Tensor],
     completion_ids: torch.Tensor,
-    *,
-    parts: dict[str, Any] | None,
-    micro_batch_size: int | None,
-    recording: torch.Tensor | None = None,
+    recording: torch.Tensor | None,
+    plan: Plan,
 ) -> list[RowChunk]:
-    """The N rows in micro-batches, each with its trunk when `parts` is given (trunk reuse): from the
-    sampler's `recording` (N, P + T - 1, H), or else captured here, once per chunk."""
+    """The N rows as the log-prob passes take them: all at once (the plain path), or micro-batches, each with
+    its frozen trunk under trunk reuse, from the sampler's `recording` (N, P + T - 1, H) or captured here."""
+    size, parts = plan.config.micro_batch_size, plan.parts
+    if parts is None and size is None:
+        return [RowChunk(slice(0, completion_ids.shape[0]), inputs, completion_ids)]
     chunks = []
-    for rows, chunk_inputs in split_rows(inputs, micro_batch_size or completion_ids.shape[0]):
+    for rows, chunk_inputs in split_rows(inputs, size or completion_ids.shape[0]):
         chunk = RowChunk(rows, chunk_inputs, completion_ids[rows])
         if parts is not None:
-            blocks, first_adapted = parts["blocks"], parts["first_adapted"]
+            frozen = dict(blocks=parts["blocks"], first_adapted=parts["first_adapted"])
             if recording is not None:
                 chunk.trunk = trunk_from_recording(
-                    model,
-                    chunk.inputs,
-                    chunk.completion_ids,
-                    recording[rows],
-                    blocks=blocks,
-                    first_adapted=first_adapted,
+                    model, chunk.inputs, chunk.completion_ids, recording[rows], **frozen
                 )
             else:  # adapters on or off does not matter: none sits in the trunk
-                chunk.trunk = capture_trunk(
-                    model, chunk.inputs, chunk.completion_ids, blocks=blocks, first_adapted=first_adapted
-                )
+                chunk.trunk = capture_trunk(model, chunk.inputs, chunk.completion_ids, **frozen)
         chunks.append(chunk)
     return chunks
+
+
+def chunk_logprobs(
+    model: torch.nn.Module, chunk: RowChunk, plan: Plan, *, temperature: float, return_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logp (n, T) [and entropy] of a chunk: `grpo.completion_logprobs` (a full forward), or the adapted
+    blocks on the chunk's frozen trunk (`trunk_logprobs`)."""
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    if chunk.trunk is None:
+        return grpo.completion_logprobs(model, chunk.inputs, chunk.completion_ids, **options)
+    checkpointing = plan.config.gradient_checkpointing
+    return trunk_logprobs(
+        chunk.trunk, chunk.completion_ids, **options, **plan.parts, gradient_checkpointing=checkpointing
+    )
 
 
 def enable_plain_checkpointing(model: torch.nn.Module) -> None:

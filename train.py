@@ -268,9 +268,7 @@ class Run:
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
     loss: dict = dataclasses.field(default_factory=dict)  # grpo_loss's options from the flags
-    # speed-ups (speedups.parts_for): adapted blocks, norm, LM head; the block sampling records at; or None
-    parts: dict | None = None
-    record_block: torch.nn.Module | None = None
+    speed: speedups.Plan = dataclasses.field(default_factory=lambda: speedups.Plan(speedups.SpeedConfig()))
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
 
@@ -298,12 +296,12 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     """One GRPO step on this rank's B prompts: (metrics record, timings, the rollout). Under torchrun the
     record is the same on every rank (global stats, rollout metrics averaged over the ranks)."""
     t0 = time.time()
-    if run.world > 1:  # each rank its own sampling stream; one process keeps its single stream
-        distributed.seed_rank_stream(args.seed, step, run.rank)
+    distributed.seed_rank_stream(args.seed, step, run.rank)  # torchrun: each rank its own sampling stream
     prompts = data.batch_for_step(
         run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
     )
-    ro = rollout(run, prompts, args, chunks=not args.dynamic_sampling)  # sample -> score -> advantages
+    ro = rollout(run, prompts, args)  # sample -> mask -> rewards -> advantages
+    counts = {}
     if args.dynamic_sampling:  # DAPO: only groups with a learning signal, topped up from more prompts
         ro, counts = groups_with_signal(run, ro, step, args)
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
@@ -311,9 +309,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
     correct = ro.components[run.accuracy_name] >= 1.0
     metrics = grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size)
-    if run.world > 1:
-        metrics = distributed.mean_across_ranks(metrics)
-    record = {"step": step, "beta": beta, **stats, **metrics, **(counts if args.dynamic_sampling else {})}
+    record = {"step": step, "beta": beta, **stats, **distributed.mean_across_ranks(metrics), **counts}
     timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
     return record, timings, ro
 
@@ -327,7 +323,7 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
         step, ro.samples, ro.texts, components, ro.reward.tolist(), ro.adv.tolist(),
         ro.mask.sum(dim=1).tolist(), ro.truncated.tolist(), args.group_size,
     )  # fmt: skip
-    return distributed.gather_lists(rows) if run.world > 1 else rows
+    return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
 
 
 def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
@@ -337,19 +333,14 @@ def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
 
 
 @torch.no_grad()
-def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -> Rollout:
+def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
     G, model, tokenizer = args.group_size, run.model, run.tokenizer
     batch = prompt_batch(run, prompts, args)
     model.eval()
-    # The B prompts go in (each image encoded once); rows b*G .. b*G+G-1 come out as prompt b's group.
-    if args.shared_prefill:  # speed-up: each prompt prefilled once, the trunk recorded on the way
-        ids, recording = speedups.sample_shared_prefill(
-            model, batch.inputs, group_size=G, record_block=run.record_block, **run.sampling
-        )
-    else:  # the reference sampler: one generate call
-        ids, _ = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **run.sampling)
-        recording = None
+    # The B prompts go in; rows b*G .. b*G+G-1 come out as prompt b's group. `recording`: the frozen trunk,
+    # when the run's sampler records it (speedups.py), else None.
+    ids, recording = speedups.sample(model, batch.inputs, run.speed, group_size=G, **run.sampling)  # (N, T)
     mask, truncated = grpo.completion_mask(ids, run.sampling["eos_token_id"])  # (N, T), (N,)
     texts = data.decode_completions(tokenizer, ids, mask, run.sampling["eos_token_id"])
     if run.box_frame:  # the image's frame, for rewards that read coordinates (grounding.py)
@@ -365,7 +356,7 @@ def rollout(run: Run, prompts: list[dict], args: Args, *, chunks: bool = True) -
     return Rollout(
         inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
         reward=reward, components=components, adv=advantages(reward, components, run, args),
-        chunks=row_chunks(run, inputs, ids, recording, args) if chunks else [],
+        chunks=speedups.row_chunks(model, inputs, ids, recording, run.speed),
     )  # fmt: skip
 
 
@@ -382,46 +373,26 @@ def advantages(
     return grpo.group_advantages(summed, args.group_size, scale="batch", clip=args.adv_clip, baseline="batch")
 
 
-def row_chunks(
-    run: Run, inputs: dict, completion_ids: torch.Tensor, recording: torch.Tensor | None, args: Args
-) -> list[speedups.RowChunk]:
-    """All N rows at once (the plain path), or micro-batches each with its frozen trunk (speedups.py)."""
-    if not (args.trunk_reuse or args.micro_batch_size):
-        return [speedups.RowChunk(slice(0, completion_ids.shape[0]), inputs, completion_ids)]
-    parts, size = (run.parts if args.trunk_reuse else None), args.micro_batch_size
-    return speedups.make_chunks(
-        run.model, inputs, completion_ids, parts=parts, micro_batch_size=size, recording=recording
-    )
-
-
-def chunk_logprobs(
-    run: Run, chunk: speedups.RowChunk, args: Args, *, return_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp (n, T) [and entropy] of a chunk: a full forward, or the adapted blocks on its trunk (speedups)."""
-    options = dict(temperature=args.temperature, return_entropy=return_entropy)
-    if chunk.trunk is None:
-        return grpo.completion_logprobs(run.model, chunk.inputs, chunk.completion_ids, **options)
-    options["gradient_checkpointing"] = args.gradient_checkpointing
-    return speedups.trunk_logprobs(chunk.trunk, chunk.completion_ids, **options, **run.parts)
-
-
 @torch.no_grad()
 def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
     """Fill ro.old_logp (mu > 1; at mu = 1 it is logp.detach()), ro.ref_logp (beta > 0) and ro.token_mask
     (top_entropy_quantile < 1: chosen once, from the policy that sampled), chunk by chunk, without grad."""
+    options = dict(temperature=args.temperature)
+
+    def every_chunk(model_options: dict) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        return [speedups.chunk_logprobs(run.model, c, run.speed, **model_options) for c in ro.chunks]
+
     if args.num_iterations > 1 or args.top_entropy_quantile < 1:
         entropy = args.top_entropy_quantile < 1
-        pairs = [chunk_logprobs(run, chunk, args, return_entropy=entropy) for chunk in ro.chunks]
+        pairs = every_chunk(dict(options, return_entropy=entropy))  # the policy that sampled
         ro.old_logp = torch.cat([logp for logp, _ in pairs]) if args.num_iterations > 1 else None  # (N, T)
         if entropy:
             entropy = torch.cat([h for _, h in pairs])  # (N, T)
-            pool = entropy[ro.mask]  # the quantile is over the global batch's tokens
-            if run.world > 1:
-                pool = torch.tensor(distributed.gather_lists(pool.tolist()), device=pool.device)
+            pool = distributed.gather_tensor(entropy[ro.mask])  # the quantile is over the global batch's tokens
             ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, args.top_entropy_quantile, pool=pool)
     if args.beta > 0:
         with lora.adapters_disabled(run.model):  # the reference policy: the same weights, no adapters
-            ro.ref_logp = torch.cat([chunk_logprobs(run, chunk, args)[0] for chunk in ro.chunks])  # (N, T)
+            ro.ref_logp = torch.cat([logp for logp, _ in every_chunk(options)])  # (N, T)
 
 
 def accumulate_policy_gradient(
@@ -430,12 +401,11 @@ def accumulate_policy_gradient(
     """Recompute logp with grad and backward the GRPO loss, chunk by chunk; returns the loss, its stats and
     this rank's entropy (N, T). Each chunk's loss is normalised by the whole (under torchrun: global) batch's
     rows and tokens, so the summed gradient equals the unchunked one for every loss_type (grpo.aggregate)."""
-    num_rows, num_tokens = ro.mask.shape[0], ro.mask.sum().clamp(min=1)
-    if run.world > 1:
-        num_rows, num_tokens = distributed.batch_counts(ro.mask)  # all ranks' rows and tokens
+    num_rows, num_tokens = distributed.batch_counts(ro.mask)  # all ranks' rows and tokens
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in ro.chunks:
-        logp, entropy = chunk_logprobs(run, chunk, args, return_entropy=True)  # (n, T) with grad
+        options = dict(temperature=args.temperature, return_entropy=True)
+        logp, entropy = speedups.chunk_logprobs(run.model, chunk, run.speed, **options)  # (n, T) with grad
         old_logp = ro.old_logp[chunk.rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
         ref_logp = ro.ref_logp[chunk.rows] if ro.ref_logp is not None else None
         token_mask = ro.token_mask[chunk.rows] if ro.token_mask is not None else None
@@ -448,9 +418,9 @@ def accumulate_policy_gradient(
         share = ro.mask[chunk.rows].sum().item() / num_tokens.item()
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
-    if run.world > 1:  # each rank holds its share of the global means
-        loss_sum, *values = distributed.sum_across_ranks([loss_sum, *stats_sum.values()])
-        stats_sum = dict(zip(stats_sum, values))
+    # Under torchrun each rank holds its share of the global means.
+    loss_sum, *values = distributed.sum_across_ranks([loss_sum, *stats_sum.values()])
+    stats_sum = dict(zip(stats_sum, values))
     return loss_sum, stats_sum, torch.cat(entropies)
 
 
@@ -463,8 +433,7 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
     for _ in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss, stats, entropy = accumulate_policy_gradient(run, ro, args, beta)  # recompute + backward
-        if run.world > 1:
-            distributed.all_reduce_gradients(params)  # the global batch's gradient on every rank
+        distributed.all_reduce_gradients(params)  # torchrun: the global batch's gradient on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         if not math.isfinite(loss) or not torch.isfinite(grad_norm):
             skipped = "non-finite loss" if not math.isfinite(loss) else "non-finite gradient"
@@ -475,8 +444,7 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
     model.eval()
     stats.update(loss=loss, grad_norm=grad_norm.item(), lr=run.scheduler.get_last_lr()[0], skipped=skipped)
     entropy_sum, num_tokens = (entropy * ro.mask).sum().item(), ro.mask.sum().item()
-    if run.world > 1:
-        entropy_sum, num_tokens = distributed.sum_across_ranks([entropy_sum, num_tokens])
+    entropy_sum, num_tokens = distributed.sum_across_ranks([entropy_sum, num_tokens])
     stats["entropy"] = entropy_sum / num_tokens
     return stats
 
@@ -500,9 +468,9 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
         if k > 0:
             rounds = dict(sampling_round=k, rounds=args.max_sampling_rounds)
             prompts = data.batch_for_step(run.train_samples, step - 1, B, args.seed, run.rank, R, **rounds)
-            ro = rollout(run, prompts, args, chunks=False)
+            ro = rollout(run, prompts, args)
         mine = [group_lists(ro, slice(g * G, (g + 1) * G)) for g in range(B)]
-        groups += distributed.gather_lists(mine) if R > 1 else mine
+        groups += distributed.gather_lists(mine)
         signal = [any(r != group["reward"][0] for r in group["reward"]) for group in groups]
         if sum(signal) >= B * R:
             break
@@ -544,7 +512,7 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
         texts=[text for group in groups for text in group["texts"]],
         samples=[s for s in samples for _ in range(args.group_size)],
         reward=reward, components=components, adv=advantages(reward, components, run, args),
-        chunks=row_chunks(run, inputs, ids, None, args),
+        chunks=speedups.row_chunks(run.model, inputs, ids, None, run.speed),
     )  # fmt: skip
 
 
@@ -658,10 +626,9 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
         dtype=lora_dtype,
     )  # fmt: skip
-    speed = dict(last_k=args.lora_last_k, trunk_reuse=args.trunk_reuse, shared_prefill=args.shared_prefill)
-    parts, record_block = speedups.parts_for(model, **speed)  # None, None on the plain path
-    if args.gradient_checkpointing and not args.trunk_reuse:  # the trunk path checkpoints by itself
-        speedups.enable_plain_checkpointing(model)
+    speed = speedups.SpeedConfig(
+        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
+    )
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
     ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
@@ -674,7 +641,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         train_samples=train_samples, held_out=held_out, held_out_ablated=ablated, reward_fns=reward_fns,
         accuracy_name=accuracy_name, box_frame=box_frame,
         sampling=sampling_options(args, tokenizer, model.generation_config), loss=loss_options(args),
-        parts=parts, record_block=record_block, rank=rank, world=world,
+        speed=speedups.choose(model, speed, last_k=args.lora_last_k), rank=rank, world=world,
     )  # fmt: skip
 
 
@@ -739,13 +706,13 @@ def evaluate(run: Run, args: Args) -> dict:
     same with the images ablated as eval/accuracy_<mode> (--eval-image-ablation)."""
     run.model.eval()
     metrics, ends = {}, run.sampling["eos_token_id"]
-    greedy = dict(run.sampling, temperature=0.0, group_size=1, shared_prefill=args.shared_prefill)
+    greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
     for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
         totals, correct = [], []
         for i in range(0, len(samples), 50):
             chunk = samples[i : i + 50]
             batch = prompt_batch(run, chunk, args)
-            ids, _ = speedups.sample(run.model, batch.inputs, **greedy)  # (n, T)
+            ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
             mask, _ = grpo.completion_mask(ids, ends)
             texts = data.decode_completions(run.tokenizer, ids, mask, ends)
             chunk = data.with_grounding(chunk, batch, run.box_frame)

@@ -196,24 +196,10 @@ def add_lora(model, config: Config) -> None:
 # --- one step, timed ----------------------------------------------------------------------------------------
 
 
-def chunk_logprobs(
-    model, chunk: speedups.RowChunk, parts: dict | None, args: train.Args, *, return_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp (n, T) [and entropy] of one chunk, as train.py computes it: one full forward (the plain path), or
-    only the adapted blocks on the chunk's frozen trunk."""
-    options = dict(temperature=args.temperature, return_entropy=return_entropy)
-    if chunk.trunk is None:
-        return grpo.completion_logprobs(model, chunk.inputs, chunk.completion_ids, **options)
-    checkpointing = args.gradient_checkpointing
-    return speedups.trunk_logprobs(
-        chunk.trunk, chunk.completion_ids, gradient_checkpointing=checkpointing, **options, **parts
-    )
-
-
 def accumulate_policy_gradient(
     model,
     chunks: list[speedups.RowChunk],
-    parts: dict | None,
+    plan: speedups.Plan,
     args: train.Args,
     *,
     adv: torch.Tensor,
@@ -227,7 +213,8 @@ def accumulate_policy_gradient(
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in chunks:
         rows = chunk.rows
-        logp, entropy = chunk_logprobs(model, chunk, parts, args, return_entropy=True)  # (n, T) with grad
+        options = dict(temperature=args.temperature, return_entropy=True)
+        logp, entropy = speedups.chunk_logprobs(model, chunk, plan, **options)  # (n, T) with grad
         loss, stats = grpo.grpo_loss(
             logp,
             old_logp[rows] if old_logp is not None else logp.detach(),
@@ -255,19 +242,20 @@ def run_step(
 ) -> int:
     """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
     inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
-    parts = speedups.decoder_parts(model, args.lora_last_k) if args.trunk_reuse else None
+    speed = speedups.SpeedConfig(
+        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
+    )
+    plan = speedups.choose(model, speed, last_k=args.lora_last_k)
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
     with record("sampling"):
         # train.py's sampling (ids, mask, texts). plain: generate on the G-times repeated rows, every prompt
         # prefilled and every image encoded G times; ours: each prompt prefilled once, the trunk recorded.
-        record_trunk = args.shared_prefill and parts is not None  # ours: the trunk recorded while sampling
         ids, recording = speedups.sample(
             model,
             inputs if plain else batch.inputs,
+            plan,
             group_size=1 if plain else args.group_size,
-            shared_prefill=args.shared_prefill,
-            record_block=speedups.record_block(model, parts) if record_trunk else None,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -280,24 +268,20 @@ def run_step(
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed))  # stands in for scoring
     adv = grpo.group_advantages(reward, args.group_size)
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
-        if args.trunk_reuse or args.micro_batch_size:
-            chunks = speedups.make_chunks(
-                model, inputs, ids, parts=parts, micro_batch_size=args.micro_batch_size, recording=recording
-            )
-        else:
-            chunks = [speedups.RowChunk(slice(0, ids.shape[0]), inputs, ids)]
+        chunks = speedups.row_chunks(model, inputs, ids, recording, plan)
     old_logp = None
+    options = dict(temperature=args.temperature)
     with record("reference/old"), torch.no_grad():
         if args.num_iterations > 1:
-            old_logp = torch.cat([chunk_logprobs(model, c, parts, args)[0] for c in chunks])  # (N, T)
+            old_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
         with lora.adapters_disabled(model):
-            ref_logp = torch.cat([chunk_logprobs(model, c, parts, args)[0] for c in chunks])  # (N, T)
+            ref_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
     model.train()
     for _ in range(args.num_iterations):
         with record("policy fwd+bwd"):
             optimizer.zero_grad(set_to_none=True)
             accumulate_policy_gradient(
-                model, chunks, parts, args, adv=adv, mask=mask, old_logp=old_logp, ref_logp=ref_logp
+                model, chunks, plan, args, adv=adv, mask=mask, old_logp=old_logp, ref_logp=ref_logp
             )
         with record("optimizer"):
             torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), args.max_grad_norm)

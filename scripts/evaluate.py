@@ -184,7 +184,7 @@ def generate(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
     # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
-    ids, _ = speedups.sample(model, batch.inputs, group_size=k, shared_prefill=True, **options)  # (B*k, T)
+    ids, _ = speedups.sample_shared_prefill(model, batch.inputs, group_size=k, **options)  # (B*k, T)
     ends = options["eos_token_id"]
     mask, truncated = grpo.completion_mask(ids, ends)  # (B*k, T), (B*k,)
     texts = data.decode_completions(tokenizer, ids, mask, ends)

@@ -440,7 +440,7 @@ def summarise_photos(
     options = data.sampling_options(
         tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )
-    ids, _ = speedups.sample(model, batch.inputs, group_size=1, shared_prefill=True, **options)  # (photos, T)
+    ids, _ = speedups.sample_shared_prefill(model, batch.inputs, group_size=1, **options)  # (photos, T)
     ends = options["eos_token_id"]
     mask, truncated = grpo.completion_mask(ids, ends)  # (photos, T), (photos,)
     texts = data.decode_completions(tokenizer, ids, mask, ends)

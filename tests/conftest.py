@@ -180,9 +180,11 @@ def make_run(model, args, **fields):
     import speedups
     import train
 
-    speed = dict(last_k=args.lora_last_k, trunk_reuse=args.trunk_reuse, shared_prefill=args.shared_prefill)
-    parts, record_block = speedups.parts_for(model, **speed)
+    speed = speedups.SpeedConfig(
+        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
+    )
     tokenizer = fields.get("tokenizer")
     sampling = train.sampling_options(args, tokenizer) if tokenizer is not None else {}
-    options = dict(sampling=sampling, loss=train.loss_options(args), parts=parts, record_block=record_block)
+    plan = speedups.choose(model, speed, last_k=args.lora_last_k)
+    options = dict(sampling=sampling, loss=train.loss_options(args), speed=plan)
     return train.Run(model=model, **options, **fields)

@@ -84,7 +84,7 @@ def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world
         reward=fixed["reward"][rows],
         components={},
         adv=fixed["adv"][rows],
-        chunks=train.row_chunks(run, inputs, ids, None, args),
+        chunks=speedups.row_chunks(run.model, inputs, ids, None, run.speed),
         old_logp=fixed["old_logp"][rows],
         ref_logp=fixed["ref_logp"][rows],
     )

@@ -135,7 +135,7 @@ def test_a_trunk_step_encodes_each_prompts_images_once_not_once_per_row(micro_ba
     ro = hand_rollout(model, args)  # captures the trunk (its own plain log-probs run before the hook)
     encoded = count_encoded_images(model)
     run = make_run(model, args)
-    ro.chunks = train.row_chunks(run, ro.inputs, ro.completion_ids, None, args)
+    ro.chunks = speedups.row_chunks(run.model, ro.inputs, ro.completion_ids, None, run.speed)
     train.frozen_logprobs(run, ro, args)  # old policy (mu = 2) and reference (beta > 0)
     train.accumulate_policy_gradient(run, ro, args, 0.1)
     # B * images once per step; micro-batches of 4 + 2 rows encode prompt 1 (1 image) in both chunks.
@@ -364,10 +364,12 @@ def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
     )
     inputs = inputs_for("vlm")
     run = make_run(model, args)
-    chunks = train.row_chunks(run, inputs, ids, recording, args)
+    chunks = speedups.row_chunks(model, inputs, ids, recording, run.speed)
     assert [c.rows for c in chunks] == [slice(0, 4), slice(4, 6)]
     with torch.no_grad():
-        ours = torch.cat([train.chunk_logprobs(run, chunk, args)[0] for chunk in chunks])
+        ours = torch.cat(
+            [speedups.chunk_logprobs(model, c, run.speed, temperature=args.temperature)[0] for c in chunks]
+        )
         full, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
     torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
 
@@ -396,7 +398,7 @@ def hand_rollout(model, args: train.Args) -> train.Rollout:
     old_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)  # ratios far enough from 1 to clip
     ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
-    chunks = train.row_chunks(make_run(model, args), inputs, ids, None, args)
+    chunks = speedups.row_chunks(model, inputs, ids, None, make_run(model, args).speed)
     return train.Rollout(
         inputs=inputs,
         completion_ids=ids,

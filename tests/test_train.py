@@ -362,7 +362,7 @@ def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(
     # The recorded trunk gives the log-probs of a full forward with the images.
     with torch.no_grad():
         full, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
-        recorded, _ = train.chunk_logprobs(run, ro.chunks[0], args)
+        recorded, _ = speedups.chunk_logprobs(model, ro.chunks[0], run.speed, temperature=args.temperature)
     torch.testing.assert_close(recorded[ro.mask], full[ro.mask], atol=1e-5, rtol=0)
 
 
@@ -394,10 +394,12 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
     # The rollout's way: the B prompts with num_return_sequences, then train's chunked trunk recompute.
     args = small_args(tmp_path, group_size=G, temperature=temperature, trunk_reuse=True, micro_batch_size=4)
     run = make_run(model, args)
-    chunks = train.row_chunks(run, inputs, ids_b, None, args)
+    chunks = speedups.row_chunks(model, inputs, ids_b, None, run.speed)
     with torch.no_grad():
         logp = grpo.completion_logprobs(model, inputs, ids, temperature=temperature)[0]
-        logp_b = torch.cat([train.chunk_logprobs(run, chunk, args)[0] for chunk in chunks])
+        logp_b = torch.cat(
+            [speedups.chunk_logprobs(model, c, run.speed, temperature=temperature)[0] for c in chunks]
+        )
         blank = {**inputs, "pixel_values": torch.zeros_like(inputs["pixel_values"])}
         logp_blank = grpo.completion_logprobs(model, blank, ids, temperature=temperature)[0]
     for ids_, gen, recomputed in ((ids, gen_logp, logp), (ids_b, gen_logp_b, logp_b)):
