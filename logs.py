@@ -331,10 +331,10 @@ def curves_figure(records: list[dict]) -> Figure:
         else:
             smoothed = draw_noisy(ax, pts, colours)
             stats += f", EMA {short(smoothed)}" if smoothed is not None else ""
-            # the marks span the panel's height: x in steps, y in axes coordinates
+            # the marks span the panel's height (x in steps, y in axes coordinates), over the grid
             on_x = ax.get_xaxis_transform()
             if evals:
-                marks = dict(colors=EVAL_MARK, linestyles=":", zorder=1, label="evaluation")
+                marks = dict(colors=EVAL_MARK, linestyles=":", lw=1.3, zorder=1.8, label="evaluation")
                 ax.vlines(evals, 0, 1, transform=on_x, **marks)
             if key == "reward/mean" and skipped:
                 crosses = dict(color=SKIP_MARK, ms=7, mew=2, zorder=3, label="skipped step")
