@@ -4,9 +4,9 @@ progress line, the curves PNG and, on request, an experiment tracker (TensorBoar
 Legend: `B` prompts, `G` completions per prompt (the group), `N = B*G` rows; rows [g*G, (g+1)*G) are
 prompt g's group.
 
-Imports the standard library and PIL; torch's SummaryWriter and the wandb / trackio packages are imported
-inside `open_tracker`, when `--report-to` asks for them, so no tracker is a dependency. Nothing from this
-project is imported.
+Imports the standard library and matplotlib; torch's SummaryWriter and the wandb / trackio packages are
+imported inside `open_tracker`, when `--report-to` asks for them, so no tracker is a dependency. Nothing
+from this project is imported.
 
 Choices:
 - The JSONL files are the record of a run; a tracker mirrors metrics.jsonl and is never the only copy.
@@ -15,10 +15,11 @@ Choices:
 - Rollout records keep every float at full precision (Python's float repr round-trips exactly), so the
   advantages in rollouts.jsonl can be recomputed from its rewards and compared exactly; the completion
   text, not the digits, dominates the file's size.
-- The curves are drawn with PIL alone (no matplotlib). The per-step reward and KL are noisy (one batch of
-  N completions), so each is drawn thin and light with a debiased exponential moving average thick on top
-  (the smoothing TensorBoard uses), and the x axis is shared by the three panels so that the evaluation
-  marks line up with the accuracy dots.
+- The curves are drawn by matplotlib on a Figure of its own with the Agg canvas, never through pyplot, so
+  a run leaves no global figure state and needs no display. The per-step reward and KL are noisy (one
+  batch of N completions), so each is drawn thin and light with a debiased exponential moving average
+  thick on top (the smoothing TensorBoard uses), and the x axis is shared by the three panels so that the
+  evaluation marks line up with the accuracy dots.
 - A tracker gets numbers only: strings (the `skipped` reason) and non-finite values (the loss of a skipped
   step) are left out of it; metrics.jsonl keeps them.
 """
@@ -36,7 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 # --------------------------------------------------------------------------------------------------
 # JSONL lines: one per step, one per sampled completion
@@ -102,83 +106,6 @@ def rollout_records(
             }
         )
     return rows
-
-
-# --------------------------------------------------------------------------------------------------
-# Resumable outputs of the scripts (evaluate.py, summarize_photos.py): one line per finished item
-
-
-def read_resumable(path: Path, key: str, producer: str) -> list[dict]:
-    """The lines of an existing output (each a dict with `key`). A torn last line (killed mid-write) is cut
-    off the file itself; damage before the last line is a ValueError naming path:line (not ours to fix)."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    lines = raw.split(b"\n")
-    lines.pop()  # after the last newline: b"" or a line whose write never finished
-    records, good_bytes = [], 0
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            if lineno < len(lines):
-                raise ValueError(
-                    f"{path}:{lineno}: invalid JSON before the last line; fix that line, pass --overwrite, "
-                    "or choose another --output"
-                ) from None
-            break
-        if not (isinstance(record, dict) and key in record):
-            raise ValueError(
-                f"{path}:{lineno}: not a line of {producer} (no {key}); pass --overwrite or choose "
-                "another --output"
-            )
-        records.append(record)
-        good_bytes += len(line) + 1
-    if good_bytes < len(raw):
-        print(f"{path}: dropping a torn last line ({len(raw) - good_bytes} bytes)")
-        with path.open("r+b") as f:
-            f.truncate(good_bytes)
-            os.fsync(f.fileno())
-    return records
-
-
-def append_line(f, record: dict) -> None:
-    """Write one complete line to an open file, then flush and fsync: a crash tears at most this line."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def check_settings(path: Path, settings: dict, overwrite: bool, companions: tuple[str, ...] = ()) -> None:
-    """Refuse (ValueError) to resume an output written with other settings: it would mix two runs in one
-    file. --overwrite removes the output, its settings and its companion files (suffixes), then records."""
-    settings_path = path.with_suffix(".settings.json")
-    if overwrite:
-        for p in (path, settings_path, *(path.with_suffix(s) for s in companions)):
-            p.unlink(missing_ok=True)
-    if path.exists() and settings_path.exists():
-        try:
-            old = json.loads(settings_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"{settings_path}: cannot be read (pass --overwrite to start afresh): {e}"
-            ) from e
-        if not isinstance(old, dict):
-            raise ValueError(f"{settings_path}: not a settings file; pass --overwrite")
-        changed = sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k))
-        if changed:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(changed)}); "
-                "pass --overwrite or choose another --output"
-            )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(settings_path, settings)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -287,9 +214,13 @@ class StepLog:
         if step % self.log_every == 0 or step == self.total_steps or record["skipped"]:
             eta = seconds_per_step * (self.total_steps - step)
             line = progress_line(
-                step, self.total_steps, record, seconds_per_step=seconds_per_step, eta_seconds=eta,
+                step,
+                self.total_steps,
+                record,
+                seconds_per_step=seconds_per_step,
+                eta_seconds=eta,
                 accuracy=self.accuracy,
-            )  # fmt: skip
+            )
             print_progress(line, tty=sys.stdout.isatty())
         if record["skipped"]:
             print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
@@ -309,84 +240,26 @@ def run_summary(records: list[dict], seconds: float) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
-# Curves (PIL only)
+# Curves (matplotlib, object-oriented: no pyplot)
 
-WIDTH, PANEL_HEIGHT = 900, 280
-INSET = 10  # pixels between the frame and the extreme data points, so no dot sits on the frame
-RAW, SMOOTH = (170, 195, 235), (30, 85, 185)  # reward: every step thin and light, the EMA thick
-KL_RAW, KL_SMOOTH = (222, 185, 222), (140, 45, 135)
-EVAL_MARK = (238, 170, 115)  # where evaluations happened, on the reward and KL panels (dotted)
-EVAL_DOT = (215, 95, 20)  # held-out accuracy points; drawn nowhere else, so they can be counted
-SKIP_MARK = (205, 30, 30)
-INK, FAINT, GRID = (35, 35, 35), (115, 115, 115), (232, 232, 232)
-
-
+FIGSIZE, DPI = (9.0, 8.4), 100  # 900 x 840 pixels
+RAW, SMOOTH = "#aac3eb", "#1e55b9"  # reward: every step thin and light, the EMA thick on top
+KL_RAW, KL_SMOOTH = "#deb9de", "#8c2d87"
+EVAL_MARK = "#eeaa73"  # evaluations: dotted marks on the reward and KL panels, the line between accuracies
+EVAL_DOT = "#d75f14"  # held-out accuracy points
+SKIP_MARK = "#cd1e1e"
+FAINT = "0.45"  # a grey, for what comments on the data rather than shows it
 PANELS = (
-    # key, title, y-axis label, (thin colour, thick colour), bounds of the y axis
-    ("reward/mean", "train reward (mean of the N sampled completions)", "reward", (RAW, SMOOTH), None),
-    ("eval/accuracy", "held-out accuracy (greedy decoding)", "accuracy", None, (0.0, 1.0)),
-    ("kl", "KL to the reference policy", "KL", (KL_RAW, KL_SMOOTH), None),
+    # key, title, y-axis label, (thin colour, thick colour)
+    ("reward/mean", "train reward (mean of the N sampled completions)", "reward", (RAW, SMOOTH)),
+    ("eval/accuracy", "held-out accuracy (greedy decoding)", "accuracy", None),
+    ("kl", "KL to the reference policy", "KL", (KL_RAW, KL_SMOOTH)),
 )
 EMPTY_PANEL = {
     "reward/mean": "no training step logged yet",
     "eval/accuracy": "no held-out evaluation in this run",
     "kl": "no KL in the metrics (it is logged when beta > 0)",
 }
-
-
-@dataclass
-class Axis:
-    """Data limits [lo, hi] (already expanded to round values) and the tick values with their labels."""
-
-    lo: float
-    hi: float
-    ticks: list[float]
-    labels: list[str]
-
-
-def load_font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
-    """PIL's bundled scalable font; Pillow < 10.1 has only a fixed bitmap one (load_default takes no size)."""
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:
-        return ImageFont.load_default()
-
-
-def nice_axis(lo: float, hi: float, *, count: int = 5, integer: bool = False, widen: bool = True) -> Axis:
-    """About `count` ticks at 1, 2, 2.5 or 5 times a power of ten; `widen`: limits pushed out to round ticks.
-
-    Without `widen` (the step axis) only the lower limit moves, down to a tick (so a run from step 1 starts
-    its axis at 0); the upper one stays at the last step rather than leaving an empty stretch after it.
-    """
-    raw = (hi - lo) / (count - 1)
-    magnitude = 10 ** math.floor(math.log10(raw))
-    # step counts stay whole: no 2.5 below 25, and nothing below 1
-    multiples = (1, 2, 2.5, 5, 10) if not integer or magnitude >= 10 else (1, 2, 5, 10)
-    step = next(m * magnitude for m in multiples if m * magnitude >= raw * (1 - 1e-9))
-    if integer:
-        step = max(1, round(step))
-    first = math.floor(lo / step + 1e-9)  # the 1e-9s: 0.3 / 0.1 is 2.9999999999999996
-    last = math.ceil(hi / step - 1e-9) if widen else math.floor(hi / step + 1e-9)
-    ticks = [k * step for k in range(first, last + 1)]
-    decimals = 0 if integer else max(0, -math.floor(math.log10(step) + 1e-9)) + (step / magnitude == 2.5)
-    # + 0.0 turns -0.0 into 0.0, so the zero tick is not labelled "-0.0"
-    labels = [f"{round(t, decimals) + 0.0:.{decimals}f}" for t in ticks]
-    return Axis(ticks[0], ticks[-1] if widen else hi, ticks, labels)
-
-
-def y_axis(values: list[float], bounds: tuple[float, float] | None) -> Axis:
-    """The y axis of a panel; `bounds` (accuracy: 0..1) caps limits that the data does not reach beyond."""
-    lo, hi = min(values), max(values)
-    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
-        # NOTE: a constant series (e.g. every reward 0) has no range; centre it in one
-        pad = max(0.5, 0.05 * abs(hi))
-        lo, hi = (lo - pad if lo < 0 or lo - pad >= 0 else 0.0), hi + pad  # not below 0 if no value is
-    axis = nice_axis(lo, hi)
-    if bounds is not None:
-        low, high = max(axis.lo, bounds[0]), min(axis.hi, bounds[1])
-        keep = [i for i, t in enumerate(axis.ticks) if low - 1e-9 <= t <= high + 1e-9]
-        axis = Axis(low, high, [axis.ticks[i] for i in keep], [axis.labels[i] for i in keep])
-    return axis
 
 
 def ema(values: list[float], span: int) -> list[float]:
@@ -405,186 +278,81 @@ def series(records: list[dict], key: str) -> list[tuple[float, float]]:
     return sorted((s, float(v)) for s, v in pts if math.isfinite(v))
 
 
-def text_size(draw: ImageDraw.ImageDraw, text: str, font) -> tuple[int, int]:
-    """Width, and height from the drawing origin (so that it includes the space above the glyphs)."""
-    x0, _, x1, y1 = draw.textbbox((0, 0), text, font=font)
-    return x1 - x0, y1
-
-
-def draw_vertical_text(image: Image.Image, center: tuple[int, int], text: str, font, fill) -> None:
-    """Text rotated 90 degrees (read bottom to top), for the y-axis label: PIL draws horizontal text only."""
-    probe = ImageDraw.Draw(image)
-    w, h = text_size(probe, text, font)
-    mask = Image.new("L", (w + 4, h + 4), 0)
-    ImageDraw.Draw(mask).text((2, 0), text, font=font, fill=255)
-    mask = mask.rotate(90, expand=True)
-    corner = (center[0] - mask.width // 2, center[1] - mask.height // 2)
-    image.paste(Image.new("RGB", mask.size, fill), corner, mask)
-
-
-def draw_legend(draw: ImageDraw.ImageDraw, right: int, y: int, items: list[tuple], font) -> None:
-    """Swatches with labels, right-aligned at `right`; kinds: thin, thick, dotted, dot, cross."""
-    x = right
-    for kind, colour, label in reversed(items):
-        x -= text_size(draw, label, font)[0]
-        draw.text((x, y), label, font=font, fill=INK)
-        x -= 26
-        cy = y + 8
-        if kind in ("thin", "thick"):
-            draw.line([(x, cy), (x + 20, cy)], fill=colour, width=1 if kind == "thin" else 3)
-        elif kind == "dotted":
-            for yy in range(cy - 7, cy + 7, 5):
-                draw.line([(x + 10, yy), (x + 10, yy + 2)], fill=colour)
-        elif kind == "dot":
-            draw.ellipse((x + 6, cy - 4, x + 14, cy + 4), fill=colour)
-        else:
-            draw_crosses(draw, [x + 10], cy)
-        x -= 18
-
-
-def draw_crosses(draw: ImageDraw.ImageDraw, xs: list[int], y: int) -> None:
-    """Small red crosses centred at (x, y): the skipped optimizer steps."""
-    for x in xs:
-        draw.line([(x - 4, y - 4), (x + 4, y + 4)], fill=SKIP_MARK, width=2)
-        draw.line([(x - 4, y + 4), (x + 4, y - 4)], fill=SKIP_MARK, width=2)
-
-
-def draw_axes(draw: ImageDraw.ImageDraw, frame: tuple, x_axis: Axis, y_axis: Axis, to_pixel, font) -> None:
-    """Grid, tick marks and tick labels on both axes, then the frame."""
-    left, _, right, bottom = frame
-    for t, label in zip(y_axis.ticks, y_axis.labels):
-        y = to_pixel(x_axis.lo, t)[1]
-        draw.line([(left + 1, y), (right - 1, y)], fill=GRID)
-        draw.line([(left - 4, y), (left, y)], fill=INK)
-        w, h = text_size(draw, label, font)
-        draw.text((left - 8 - w, y - h // 2 - 1), label, font=font, fill=INK)
-    for t, label in zip(x_axis.ticks, x_axis.labels):
-        x = to_pixel(t, y_axis.lo)[0]
-        draw.line([(x, bottom), (x, bottom + 4)], fill=INK)
-        draw.text((x - text_size(draw, label, font)[0] // 2, bottom + 6), label, font=font, fill=INK)
-    draw.rectangle(frame, outline=FAINT)
-
-
-def draw_noisy(draw: ImageDraw.ImageDraw, pts: list, colours: tuple, to_pixel) -> tuple[list, float | None]:
-    """A per-step series thin and light, its moving average thick on top; the legend items and last EMA."""
-    thin, thick = colours
-    xy = [to_pixel(s, v) for s, v in pts]
-    if len(pts) < 10:  # too few steps to smooth: the steps themselves, as dots on a line
-        if len(xy) > 1:
-            draw.line(xy, fill=thick, width=2)
-        for x, y in xy:
-            draw.ellipse((x - 3, y - 3, x + 3, y + 3), fill=thick)
-        return [("dot", thick, "every step")], None
-    span = min(50, max(3, len(pts) // 10))  # about a tenth of the run
-    smooth = ema([v for _, v in pts], span)
-    draw.line(xy, fill=thin, width=1)
-    draw.line([to_pixel(s, v) for (s, _), v in zip(pts, smooth)], fill=thick, width=3, joint="curve")
-    return [("thin", thin, "every step"), ("thick", thick, f"EMA over {span} steps")], smooth[-1]
-
-
-def draw_accuracy(draw: ImageDraw.ImageDraw, pts: list, frame: tuple, to_pixel, font) -> None:
-    """Evaluation points as dots on a light line, each labelled with its value while there are few."""
-    xy = [to_pixel(s, v) for s, v in pts]
-    if len(xy) > 1:
-        draw.line(xy, fill=EVAL_MARK, width=2)
-    for x, y in xy:
-        draw.ellipse((x - 4, y - 4, x + 4, y + 4), fill=EVAL_DOT)
-    if len(pts) > 12:  # labels would collide
-        return
-    left, top, right, _ = frame
-    for (x, y), (_, v) in zip(xy, pts):
-        label = f"{v:.2f}"
-        w, h = text_size(draw, label, font)
-        ty = y - h - 8 if y - h - 8 > top + 2 else y + 7  # above the dot, below it at the top of the frame
-        draw.text((min(max(x - w // 2, left + 3), right - w - 3), ty), label, font=font, fill=INK)
-
-
-def draw_vertical_marks(draw: ImageDraw.ImageDraw, steps: list, frame: tuple, to_pixel) -> None:
-    """Dotted vertical lines at the given steps (PIL has no dashed lines: short segments)."""
-    for s in steps:
-        x = to_pixel(s, 0)[0]
-        for y in range(frame[1] + 2, frame[3] - 2, 6):
-            draw.line([(x, y), (x, y + 2)], fill=EVAL_MARK)
-
-
-def pixel_mapping(frame: tuple, x_axis: Axis, y_axis: Axis):
-    """(step, value) -> pixel in `frame`, y pointing up, INSET pixels inside the frame on every side."""
-    left, top, right, bottom = frame
-
-    def to_pixel(x: float, y: float) -> tuple[int, int]:
-        px = left + INSET + (x - x_axis.lo) / (x_axis.hi - x_axis.lo) * (right - left - 2 * INSET)
-        py = bottom - INSET - (y - y_axis.lo) / (y_axis.hi - y_axis.lo) * (bottom - top - 2 * INSET)
-        return round(px), round(py)
-
-    return to_pixel
-
-
 def short(value: float) -> str:
     """A value for the panel headers: 4 significant digits, but never fewer than one decimal above 1000."""
     return f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
-def draw_panel_frame(draw: ImageDraw.ImageDraw, frame: tuple, message: str, font) -> None:
-    """The empty frame of a panel with nothing to draw, and why."""
-    draw.rectangle(frame, outline=GRID)
-    w, h = text_size(draw, message, font)
-    draw.text(
-        ((frame[0] + frame[2] - w) // 2, (frame[1] + frame[3] - h) // 2), message, font=font, fill=FAINT
-    )
+def draw_noisy(ax: Axes, pts: list, colours: tuple) -> float | None:
+    """A per-step series thin and light, its moving average thick on top; the last EMA (None: too few)."""
+    (thin, thick), (steps, values) = colours, zip(*pts)
+    if len(pts) < 10:  # too few steps to smooth: the steps themselves, as dots on a line
+        ax.plot(steps, values, "o-", color=thick, lw=1.5, ms=4, label="every step")
+        return None
+    span = min(50, max(3, len(pts) // 10))  # about a tenth of the run
+    smooth = ema(list(values), span)
+    ax.plot(steps, values, color=thin, lw=1, label="every step")
+    ax.plot(steps, smooth, color=thick, lw=2.5, label=f"EMA over {span} steps")
+    return smooth[-1]
+
+
+def draw_accuracy(ax: Axes, pts: list) -> None:
+    """Evaluation points as dots on a light line, each labelled with its value while there are few."""
+    steps, values = zip(*pts)
+    ax.plot(steps, values, "o-", color=EVAL_MARK, mfc=EVAL_DOT, mec=EVAL_DOT, lw=2, ms=6, label="accuracy")
+    if len(pts) <= 12:  # more labels would collide
+        for s, v in pts:
+            ax.annotate(f"{v:.2f}", (s, v), xytext=(0, 6), textcoords="offset points", ha="center", size=8)
+    # NOTE: always 0 to 1, as accuracy can be, so that a constant one is not blown up; room above for labels
+    ax.set_ylim(-0.05, 1.15)
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 1])
+
+
+def curves_figure(records: list[dict]) -> Figure:
+    """Train reward, held-out accuracy and KL against step: three panels, one step axis (so that the
+    evaluation marks on the reward and KL panels line up with the accuracy points)."""
+    figure = Figure(figsize=FIGSIZE, dpi=DPI)
+    figure.set_layout_engine("constrained", w_pad=0.1, h_pad=0.1)  # labels fit, 10 white pixels around
+    axes = figure.subplots(len(PANELS), sharex=True)
+    evals = [s for s, _ in series(records, "eval/accuracy")]
+    skipped = [r["step"] for r in records if r.get("skipped") and "step" in r]
+    for ax, (key, title, y_label, colours) in zip(axes, PANELS):
+        pts = series(records, key)
+        ax.set_title(title, loc="left")
+        if not pts:
+            ax.text(0.5, 0.5, EMPTY_PANEL[key], transform=ax.transAxes, ha="center", va="center", color=FAINT)
+            ax.set_yticks([])
+            continue
+        ax.set_ylabel(y_label)
+        ax.grid(color="0.92")
+        stats = f"last {short(pts[-1][1])} at step {pts[-1][0]}"
+        if key == "eval/accuracy":
+            draw_accuracy(ax, pts)
+        else:
+            smoothed = draw_noisy(ax, pts, colours)
+            stats += f", EMA {short(smoothed)}" if smoothed is not None else ""
+            # the marks span the panel's height (x in steps, y in axes coordinates), over the grid
+            on_x = ax.get_xaxis_transform()
+            if evals:
+                marks = dict(colors=EVAL_MARK, linestyles=":", lw=1.3, zorder=1.8, label="evaluation")
+                ax.vlines(evals, 0, 1, transform=on_x, **marks)
+            if key == "reward/mean" and skipped:
+                crosses = dict(color=SKIP_MARK, ms=7, mew=2, zorder=3, label="skipped step")
+                ax.plot(skipped, [0.05] * len(skipped), "x", transform=on_x, **crosses)
+            ax.legend(loc="best", ncols=4, fontsize="small", framealpha=0.85)  # one row: little hidden
+        ax.set_title(stats, loc="right", fontsize="small", color=FAINT)
+    axes[-1].set_xlabel("step")
+    # whole steps, round multiples (20, not 15), and one tick for a one-step run rather than 0.96 ... 1.04
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10], min_n_ticks=1))
+    return figure
 
 
 def plot_curves(records: list[dict], path: Path) -> None:
-    """Train reward, held-out accuracy and KL against step, three panels on one PNG (900 x 840 pixels).
-
-    Each panel: title and last value on the first line, the legend on the second, then the plot with its
-    y-axis label and ticks on the left and step ticks below. The step axis is the same in all three.
-    """
-    fonts = {"title": load_font(15), "text": load_font(13), "tick": load_font(12)}
-    steps = [r["step"] for r in records if isinstance(r.get("step"), numbers.Real)]
-    x_lo, x_hi = (min(steps), max(steps)) if steps else (0, 1)
-    if x_hi - x_lo < 1:  # a single step: a short range around it rather than a zero-width one
-        x_lo = max(0, x_lo - 1)
-        x_hi = x_lo + 2
-    x_axis = nice_axis(x_lo, x_hi, integer=True, widen=False)
-    panels = [(spec, series(records, spec[0])) for spec in PANELS]
-    y_axes = [y_axis([v for _, v in pts], spec[4]) if pts else None for spec, pts in panels]
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    widest = max((text_size(measure, t, fonts["tick"])[0] for a in y_axes if a for t in a.labels), default=0)
-    left = 12 + 18 + 8 + widest + 8  # border, y label, gap, tick labels, tick mark; the same in every panel
-
-    image = Image.new("RGB", (WIDTH, PANEL_HEIGHT * len(PANELS)), "white")
-    draw = ImageDraw.Draw(image)
-    evals = [s for s, _ in series(records, "eval/accuracy")]
-    skipped = [r["step"] for r in records if r.get("skipped") and "step" in r]
-    for p, ((key, title, y_label, colours, _), pts) in enumerate(panels):
-        top = p * PANEL_HEIGHT
-        frame = (left, top + 58, WIDTH - 32, top + PANEL_HEIGHT - 50)
-        draw.text((left, top + 12), title, font=fonts["title"], fill=INK)
-        if not pts:
-            draw_panel_frame(draw, frame, EMPTY_PANEL[key], fonts["text"])
-            continue
-        to_pixel = pixel_mapping(frame, x_axis, y_axes[p])
-        draw_axes(draw, frame, x_axis, y_axes[p], to_pixel, fonts["tick"])
-        draw_vertical_text(image, (12 + 9, (frame[1] + frame[3]) // 2), y_label, fonts["text"], INK)
-        w = text_size(draw, "step", fonts["text"])[0]
-        draw.text(((frame[0] + frame[2] - w) // 2, frame[3] + 24), "step", font=fonts["text"], fill=INK)
-        stats = f"last {short(pts[-1][1])} at step {pts[-1][0]}"
-        legend = []
-        if key == "eval/accuracy":
-            draw_accuracy(draw, pts, frame, to_pixel, fonts["tick"])
-        else:
-            draw_vertical_marks(draw, evals, frame, to_pixel)
-            if key == "reward/mean" and skipped:
-                draw_crosses(draw, [to_pixel(s, 0)[0] for s in skipped], frame[3] - 8)
-            legend, smoothed = draw_noisy(draw, pts, colours, to_pixel)
-            stats += f", EMA {short(smoothed)}" if smoothed is not None else ""
-            legend += [("dotted", EVAL_MARK, "evaluation")] if evals else []
-            legend += [("cross", SKIP_MARK, "skipped step")] if key == "reward/mean" and skipped else []
-        title_w = text_size(draw, title, fonts["title"])[0]
-        draw.text((left + title_w + 14, top + 14), stats, font=fonts["tick"], fill=FAINT)
-        draw_legend(draw, frame[2], top + 35, legend, fonts["tick"])
+    """The curves of `records` (metrics.jsonl's lines) as a PNG at `path` (900 x 840 pixels)."""
+    figure = curves_figure(records)
+    FigureCanvasAgg(figure)  # the PNG renderer, attached to this figure alone
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    figure.savefig(path)
 
 
 # --------------------------------------------------------------------------------------------------

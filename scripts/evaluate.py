@@ -62,11 +62,11 @@ import data
 import distributed
 import grounding
 import grpo
-import logs
 import lora
 import model_io
 import rewards
 import speedups
+from scripts import outputs
 
 
 @dataclass
@@ -285,7 +285,7 @@ def batch_seed(seed: int, index: int) -> int:
 
 def read_resumable(path: Path) -> list[dict]:
     with cli.user_errors():
-        return logs.read_resumable(path, "id", "evaluate.py")
+        return outputs.read_resumable(path, "id", "evaluate.py")
 
 
 def evaluate_to_file(
@@ -312,10 +312,10 @@ def evaluate_to_file(
                 if not written:
                     with reward_errors(sample):
                         record = score_sample(sample, completions, reward_fns, accuracy_name)
-                    logs.append_line(f, record)
+                    outputs.append_line(f, record)
             print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)
     summary = summarise(read_resumable(path))
-    logs.write_json_atomic(path.with_suffix(".summary.json"), summary)
+    outputs.write_json_atomic(path.with_suffix(".summary.json"), summary)
     return summary
 
 
@@ -427,7 +427,7 @@ def main(args: Args) -> dict[str, dict]:
     for name, path, adapter_on, ablation in planned_runs(args):
         settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation, frame)
         with cli.user_errors():
-            logs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
+            outputs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
         with cli.user_errors():
             ablated = data.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
@@ -448,7 +448,7 @@ def main(args: Args) -> dict[str, dict]:
     print_table(summaries)
     if args.compare:
         report = {**summaries, "args": dataclasses.asdict(args)}
-        logs.write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
+        outputs.write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
     return summaries
 
 

@@ -76,11 +76,11 @@ import cli
 import data
 import distributed
 import grpo
-import logs
 import lora
 import model_io
 import rewards
 import speedups
+from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
     "根据以下各张照片的文字摘要，判断该安装是否合格。"
@@ -488,7 +488,8 @@ def finish_group(f, group: Group, results: list[tuple[str, bool]], args: Args, s
         )
         reject(skipped, args.skip_bad_groups, group.id, "empty summary", message)
         return False
-    logs.append_line(f, group_record(group, results, args.stage_b_prompt, Path(args.output).parent.resolve()))
+    record = group_record(group, results, args.stage_b_prompt, Path(args.output).parent.resolve())
+    outputs.append_line(f, record)
     return True
 
 
@@ -583,8 +584,8 @@ def summarise(args: Args) -> dict:
         join_labels(groups, labels, Path(args.labels), skipped)
     path = Path(args.output)
     with cli.user_errors():
-        logs.check_settings(path, settings_of(args, prompt), args.overwrite, companions=(".skipped.json",))
-        done = {r["group_id"]: r for r in logs.read_resumable(path, "group_id", "summarize_photos.py")}
+        outputs.check_settings(path, settings_of(args, prompt), args.overwrite, companions=(".skipped.json",))
+        done = {r["group_id"]: r for r in outputs.read_resumable(path, "group_id", "summarize_photos.py")}
     check_done(done, groups, path)
     todo = [g for g in groups if g.id not in done]
     if args.labels:
@@ -603,7 +604,7 @@ def summarise(args: Args) -> dict:
             model, tokenizer, image_processor, groups, done, prompt, args, device, skipped
         )
     report = {"groups": skipped, "unmatched_photos": [str(p) for p in unmatched]}
-    logs.write_json_atomic(path.with_suffix(".skipped.json"), report)
+    outputs.write_json_atomic(path.with_suffix(".skipped.json"), report)
     stats.update(
         already_done=len(groups) - len(todo),
         skipped=dict(collections.Counter(s["reason"] for s in skipped)),

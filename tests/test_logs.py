@@ -136,26 +136,21 @@ def realistic_records(steps=100, eval_every=25):
     return records
 
 
-def blobs(mask: np.ndarray) -> int:
-    """Connected regions (4-neighbour) of True pixels."""
-    seen, count = np.zeros_like(mask), 0
-    for start in zip(*np.nonzero(mask)):
-        if seen[start]:
-            continue
-        count += 1
-        stack = [start]
-        seen[start] = True
-        while stack:
-            y, x = stack.pop()
-            for ny, nx in ((y + 1, x), (y - 1, x), (y, x + 1), (y, x - 1)):
-                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
-                    seen[ny, nx] = True
-                    stack.append((ny, nx))
-    return count
+def labelled(ax, label: str) -> list:
+    """The lines of a panel drawn under `label` (their legend entry)."""
+    return [line for line in ax.get_lines() if line.get_label() == label]
 
 
-def has_colour(pixels: np.ndarray, colour: tuple) -> np.ndarray:
-    return (pixels == np.array(colour, dtype=np.uint8)).all(axis=-1)
+def evaluation_marks(ax) -> list[float]:
+    """The steps of a panel's dotted evaluation marks."""
+    marks = [c for c in ax.collections if c.get_label() == "evaluation"]
+    return sorted(float(segment[0][0]) for c in marks for segment in c.get_segments())
+
+
+def step_ticks(ax) -> list[float]:
+    """The ticks of the step axis that lie inside the panel (the locator also places some beyond it)."""
+    lo, hi = ax.get_xlim()
+    return [t for t in ax.get_xticks() if lo <= t <= hi]
 
 
 def blank_border(pixels: np.ndarray, width: int = 4) -> bool:
@@ -164,23 +159,43 @@ def blank_border(pixels: np.ndarray, width: int = 4) -> bool:
     return all((edge == 255).all() for edge in edges)
 
 
-def test_curves_png_has_margins_and_marks_evaluations(tmp_path):
-    path = tmp_path / "curves.png"
+def test_curves_show_accuracy_points_evaluation_marks_skipped_steps_and_a_smoother_average():
+    records = realistic_records()
+    reward, accuracy, kl = logs.curves_figure(records).axes
+    assert [ax.get_title(loc="left") for ax in (reward, accuracy, kl)] == [p[1] for p in logs.PANELS]
+    # one accuracy point per evaluation (steps 0, 25, 50, 75, 100), each labelled with its value
+    (points,) = accuracy.get_lines()
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    assert list(zip(points.get_xdata(), points.get_ydata())) == evals
+    assert [t.get_text() for t in accuracy.texts] == [f"{v:.2f}" for _, v in evals]
+    # the evaluation steps are marked on the reward and KL panels, the skipped step on the reward panel
+    assert evaluation_marks(reward) == evaluation_marks(kl) == [0, 25, 50, 75, 100]
+    (crosses,) = labelled(reward, "skipped step")
+    assert list(crosses.get_xdata()) == [63] and not labelled(kl, "skipped step")
+    # every step thin and light, the moving average thick, drawn after it (on top), and smoother
+    (raw,), (smooth,) = labelled(reward, "every step"), labelled(reward, "EMA over 10 steps")
+    assert (raw.get_color(), smooth.get_color()) == (logs.RAW, logs.SMOOTH)
+    assert smooth.get_linewidth() > raw.get_linewidth()
+    assert reward.get_lines().index(smooth) > reward.get_lines().index(raw)
+    assert list(raw.get_xdata()) == list(range(1, 101))
+    assert np.ptp(smooth.get_ydata()) < 0.7 * np.ptp(raw.get_ydata())
+    legend = [t.get_text() for t in reward.get_legend().get_texts()]
+    assert legend == ["every step", "EMA over 10 steps", "evaluation", "skipped step"]
+    # the headers give the last value (and the last average) of each curve
+    last = logs.short(records[-1]["reward/mean"])
+    assert (
+        reward.get_title(loc="right") == f"last {last} at step 100, EMA {logs.short(smooth.get_ydata()[-1])}"
+    )
+    assert accuracy.get_title(loc="right") == "last 0.7 at step 100"
+    assert kl.get_title(loc="right").startswith("last 0.03 at step 100, EMA ")
+
+
+def test_curves_png_is_written_with_nothing_clipped(tmp_path):
+    path = tmp_path / "run" / "curves.png"
     logs.plot_curves(realistic_records(), path)
     image = Image.open(path)
-    assert image.size == (logs.WIDTH, 3 * logs.PANEL_HEIGHT)
-    pixels = np.asarray(image.convert("RGB"))
-    assert blank_border(pixels)
-    panels = [pixels[p * logs.PANEL_HEIGHT : (p + 1) * logs.PANEL_HEIGHT] for p in range(3)]
-    assert blobs(has_colour(panels[1], logs.EVAL_DOT)) == 5  # steps 0, 25, 50, 75, 100
-    assert not has_colour(panels[0], logs.EVAL_DOT).any() and not has_colour(panels[2], logs.EVAL_DOT).any()
-    # the evaluation steps are marked on the reward and KL panels, the skipped step on the reward panel
-    assert has_colour(panels[0], logs.EVAL_MARK).any() and has_colour(panels[2], logs.EVAL_MARK).any()
-    assert has_colour(panels[0], logs.SKIP_MARK).any() and not has_colour(panels[2], logs.SKIP_MARK).any()
-    # the raw reward thin and light, the moving average on top of it spans fewer rows (it is smoother)
-    plot = panels[0][60 : logs.PANEL_HEIGHT - 50]  # below the legend, above the step ticks
-    raw_rows, smooth_rows = (np.nonzero(has_colour(plot, c).any(axis=1))[0] for c in (logs.RAW, logs.SMOOTH))
-    assert np.ptp(smooth_rows) < 0.7 * np.ptp(raw_rows)
+    assert image.format == "PNG" and image.size == (900, 840)
+    assert blank_border(np.asarray(image.convert("RGB")))
 
 
 @pytest.mark.parametrize(
@@ -194,27 +209,35 @@ def test_curves_png_has_margins_and_marks_evaluations(tmp_path):
     ],
     ids=["one-step", "constant-no-kl-no-eval", "large-and-negative", "eval-only", "empty"],
 )
-def test_curves_png_of_edge_cases_opens_without_clipping(tmp_path, records):
+def test_curves_of_edge_cases_say_what_is_missing_and_save_without_clipping(tmp_path, records):
+    figure = logs.curves_figure(records)
+    for ax, (key, *_) in zip(figure.axes, logs.PANELS):
+        logged = any(key in r for r in records)
+        assert (logs.EMPTY_PANEL[key] in [t.get_text() for t in ax.texts]) == (not logged), key
+        assert bool(ax.get_lines()) == logged, key
     logs.plot_curves(records, tmp_path / "curves.png")
     pixels = np.asarray(Image.open(tmp_path / "curves.png").convert("RGB"))
-    assert pixels.shape == (3 * logs.PANEL_HEIGHT, logs.WIDTH, 3)
+    assert pixels.shape == (840, 900, 3)
     assert blank_border(pixels)
-    has_eval = any("eval/accuracy" in r for r in records)
-    assert has_colour(pixels, logs.EVAL_DOT).any() == has_eval
 
 
-def test_axis_ticks_are_round_and_cover_the_data():
-    steps = logs.nice_axis(1, 100, integer=True, widen=False)
-    assert steps.ticks == [0, 25, 50, 75, 100] and (steps.lo, steps.hi) == (0, 100)
-    assert logs.nice_axis(1, 41, integer=True, widen=False).hi == 41  # no empty stretch after the last step
-    reward = logs.y_axis([1.02, 1.87, 1.3], bounds=None)
-    assert reward.labels == ["1.00", "1.25", "1.50", "1.75", "2.00"]
-    assert reward.lo <= 1.02 and reward.hi >= 1.87
-    around_zero = logs.y_axis([-0.5, 0.0001], bounds=None).labels
-    assert "0.0" in around_zero and "-0.0" not in around_zero
-    accuracy = logs.y_axis([1.0, 1.0], bounds=(0.0, 1.0))
-    assert accuracy.hi == 1.0 and accuracy.lo < 1.0
-    assert logs.y_axis([0.0], bounds=None).lo == 0.0  # a constant non-negative series stays above 0
+def test_step_ticks_are_whole_and_round_and_accuracy_spans_0_to_1():
+    def axes_of(records):
+        figure = logs.curves_figure(records)
+        figure.draw_without_rendering()  # autoscales the limits and places the ticks
+        return figure.axes
+
+    *_, kl = axes_of(realistic_records())
+    assert step_ticks(kl) == [0, 20, 40, 60, 80, 100]
+    *_, kl = axes_of([{"step": s, "kl": 0.01 * s} for s in range(1, 4)])
+    assert step_ticks(kl) == [1, 2, 3]  # no 1.5 or 2.5
+    *_, kl = axes_of([{"step": 1, "kl": 0.0}])
+    assert step_ticks(kl) == [1]  # one step: one tick, not 0.96 ... 1.04
+    for value in (0.45, 1.0, 0.0):  # a constant accuracy is not blown up to fill the panel
+        _, accuracy, _ = axes_of([{"step": 0, "eval/accuracy": value}, {"step": 5, "eval/accuracy": value}])
+        lo, hi = accuracy.get_ylim()
+        assert -0.1 < lo <= 0 and 1.1 <= hi < 1.2  # room above 1 for the value labels
+        assert list(accuracy.get_yticks()) == [0, 0.25, 0.5, 0.75, 1]
 
 
 # --- trackers ---------------------------------------------------------------------------------------------
@@ -321,7 +344,7 @@ def test_logs_imports_no_project_module_and_no_tracker_at_import_time():
             if node in tree.body:
                 top_level |= {n.split(".")[0] for n in names}
     assert not everywhere & project
-    assert top_level - set(sys.stdlib_module_names) <= {"torch", "PIL", "numpy"}
+    assert top_level - set(sys.stdlib_module_names) <= {"matplotlib"}
 
 
 def test_trackio_without_a_table_class_gets_the_completions_as_markdown(tmp_path, monkeypatch):

@@ -145,7 +145,7 @@ import json, os, runpy, sys
 sys.argv = {command[1:]!r}
 sys.path.insert(0, {str(ROOT / "scripts")!r})
 import evaluate
-real, count = evaluate.logs.append_line, []
+real, count = evaluate.outputs.append_line, []
 def dying_append(f, record):
     count.append(1)
     if len(count) == 4:
@@ -153,7 +153,7 @@ def dying_append(f, record):
         f.flush()
         os._exit(9)
     real(f, record)
-evaluate.logs.append_line = dying_append
+evaluate.outputs.append_line = dying_append
 evaluate.main(evaluate.tyro.cli(evaluate.Args))
 """
     child = subprocess.run(

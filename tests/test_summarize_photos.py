@@ -291,7 +291,7 @@ def append_line(f, record):
         f.write(text[: len(text) // 2]); f.flush(); os.fsync(f.fileno()); os._exit(9)
     written.append(record)
     real(f, record)
-real, sp.logs.append_line = sp.logs.append_line, append_line
+real, sp.outputs.append_line = sp.outputs.append_line, append_line
 sp.cli.run(sp.main, sp.tyro.cli(sp.Args))
 """
     result = subprocess.run(
