@@ -1,4 +1,4 @@
-"""Samples, synthetic tasks and image+text input preparation for Qwen-VL style models.
+"""Samples, image+text input preparation for Qwen-VL style models, and decoding completions.
 
 A *sample* is a plain dict, one per JSONL line:
 
@@ -6,8 +6,8 @@ A *sample* is a plain dict, one per JSONL line:
      "label": "通过", ...any other fields, passed to the reward functions untouched}
 
 - `images`: paths relative to the JSONL file (absolute paths work too); may be empty or absent (text-only).
-  Several images form one group-level sample: the model sees all of them in one prompt. Synthetic tasks
-  put `PIL.Image` objects here instead of paths.
+  Several images form one group-level sample: the model sees all of them in one prompt. The built-in
+  tasks (tasks.py) put `PIL.Image` objects here instead of paths.
 - `prompt` (a string; the images are placed before it in one user turn) or `messages` (chat form,
   `[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...]`, with one
   `{"type": "image"}` entry per image, in order).
@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
+
+import tasks
 
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
@@ -510,108 +512,6 @@ def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
     return PromptBatch(inputs=out, images_per_row=images_per_row)
 
 
-# --------------------------------------------------------------------------------------------------
-# Built-in synthetic tasks (drawn with PIL from a seed; the same seed always gives the same samples)
-
-# The rewards each built-in task trains with when --reward is not given.
-TASK_REWARDS = {
-    "shapes": ("answer_match",),
-    "inspection": ("label", "format"),
-    "summaries": ("label", "format"),
-}
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
-SHAPES = ("circle", "square", "triangle")
-IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
-SHAPES_PROMPT = "what colour and shape is this?"
-INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
-SUMMARIES_PROMPT = "inspect the installation from the photo summaries. answer 通过 or 不通过, then 理由:."
-TASKS = ("shapes", "inspection")  # the image tasks the tiny model was warm-started on
-TEXT_TASKS = ("summaries",)  # per-image text summaries instead of images (no vision needed)
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
-    x0, y0, x1, y1 = box
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
-
-
-def _shapes_sample(rng: random.Random, index: int) -> dict:
-    colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
-    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (235, 235, 235))
-    size = rng.randint(30, 46)
-    x0, y0 = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
-    _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
-    return {
-        "id": f"shapes-{index}",
-        "images": [image],
-        "prompt": SHAPES_PROMPT,
-        "answer": f"{colour} {shape}",
-    }
-
-
-def _inspection_sample(rng: random.Random, index: int) -> dict:
-    """1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark.
-
-    The per-photo defect probability makes pass and fail equally likely for every photo count.
-    """
-    n_images = rng.randint(1, 4)
-    p_defect = 1 - 0.5 ** (1 / n_images)
-    images, defective = [], []
-    for k in range(n_images):
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle((6, 6, 49, 49), fill=(120, 125, 135))  # the panel
-        for bx, by in ((12, 12), (40, 12), (12, 40), (40, 40)):  # four bolts
-            draw.ellipse((bx - 3, by - 3, bx + 3, by + 3), fill=(60, 60, 60))
-        if rng.random() < p_defect:
-            cx, cy, r = rng.randint(16, 40), rng.randint(16, 40), rng.randint(6, 9)
-            draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
-            defective.append(k + 1)
-        images.append(image)
-    if defective:
-        label, reason = "不通过", f"理由: 图片{defective[0]}有缺陷"
-    else:
-        label, reason = "通过", "理由: 无缺陷"
-    return {
-        "id": f"inspection-{index}",
-        "images": images,
-        "prompt": INSPECTION_PROMPT,
-        "label": label,
-        "answer": f"{label}\n{reason}",
-    }
-
-
-def _summaries_sample(rng: random.Random, index: int) -> dict:
-    """The inspection task from text alone: each photo is replaced by a one-line summary of it.
-
-    This is the second stage of a "summaries first, verdict second" pipeline, where another model has
-    already described every photo; the same verdict rule and answer format apply.
-    """
-    sample = _inspection_sample(rng, index)
-    # A red defect mark is the only saturated red in a photo, so the summary is read off the pixels.
-    summaries = [
-        "面板有红色缺陷" if any(r > 200 and g < 80 for r, g, _ in image.getdata()) else "面板正常, 四个螺栓"
-        for image in sample.pop("images")
-    ]
-    return {**sample, "id": f"summaries-{index}", "summaries": summaries, "prompt": SUMMARIES_PROMPT}
-
-
-def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
-    """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
-    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample, "summaries": _summaries_sample}
-    if name not in makers:
-        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(makers)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    # Disjoint streams per task and split: a held-out sample is never a training sample re-drawn.
-    rng = random.Random(f"{name}/{split}/{seed}")
-    return [makers[name](rng, i) for i in range(n)]
-
-
 EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
 
 
@@ -646,7 +546,7 @@ def load_samples(
             train += loaded
         held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
     else:
-        train = make_task(task, train_size, seed=seed)
-        held_out = make_task(task, eval_size, split="test", seed=seed)
+        train = tasks.make_task(task, train_size, seed=seed)
+        held_out = tasks.make_task(task, eval_size, split="test", seed=seed)
     template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
     return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
