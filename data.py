@@ -347,23 +347,16 @@ def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | 
     high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
     if not 0 < low <= high:
         raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
-    # transformers 5 keeps them as size["shortest_edge"] / size["longest_edge"] (pixel counts despite the
-    # names); older processors had min_pixels / max_pixels attributes.
+    # NOTE: pixel counts despite the names: the processor resizes each image to between low and high pixels.
     image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
-    for name, value in (("min_pixels", low), ("max_pixels", high)):
-        if getattr(image_processor, name, None) is not None:
-            setattr(image_processor, name, value)
 
 
 def image_pixel_budget(image_processor) -> int | None:
     """The most pixels an image keeps; Qwen-VL processors resize a larger one down to about this many."""
     if image_processor is None:
         return None
-    # transformers 5 keeps max_pixels as size["longest_edge"] (a pixel count despite the name) and resizes
-    # by it (`get_number_of_image_patches`); older processors had a `max_pixels` attribute.
-    size = getattr(image_processor, "size", None)
-    budget = size.get("longest_edge") if size is not None and hasattr(size, "get") else None
-    return budget if budget is not None else getattr(image_processor, "max_pixels", None)
+    # NOTE: a pixel count despite the name; the processor resizes by it (`get_number_of_image_patches`).
+    return image_processor.size["longest_edge"]
 
 
 def check_samples(
