@@ -35,7 +35,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,18 +81,18 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 sample = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: {_describe_json_error(text, e)}") from e
+                raise ValueError(_json_error(where, text, e)) from e
             samples.append(_validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
     return samples
 
 
-EXCERPT_WIDTH = 100  # characters of a long line shown around a JSON error
+EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error
 
 
-def _describe_json_error(text: str, e: json.JSONDecodeError) -> str:
-    """'invalid JSON at column C: why (a hint)', then the line with a caret under the offending character.
+def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
+    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>', on one line.
 
     The column is 1-based within `text` (one line, without its newline). A trailing comma is reported at
     the comma itself, not at the '}' after it where json notices it.
@@ -111,21 +110,9 @@ def _describe_json_error(text: str, e: json.JSONDecodeError) -> str:
     elif not text[pos:].strip():
         hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
     why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
-    return f"invalid JSON at column {pos + 1}: {why}{hint}\n{_caret_excerpt(text, pos)}"
-
-
-def _caret_excerpt(text: str, pos: int) -> str:
-    """The line (a window of it when long), indented, and under it a caret at character `pos`."""
-    start = max(0, min(pos - EXCERPT_WIDTH // 2, len(text) - EXCERPT_WIDTH))
-    end = start + EXCERPT_WIDTH
-    cut = "..." if start else ""
-    shown = cut + text[start:end] + ("..." if end < len(text) else "")
-    # The caret lines up in a terminal: tabs stay tabs, East Asian wide characters take two cells.
-    pad = "".join(
-        "\t" if c == "\t" else "  " if unicodedata.east_asian_width(c) in ("W", "F") else " "
-        for c in cut + text[start:pos]
-    )
-    return f"    {shown}\n    {pad}^"
+    start, end = max(pos - EXCERPT_CHARS, 0), pos + EXCERPT_CHARS
+    excerpt = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
+    return f"{where}:{pos + 1}: invalid JSON: {why}{hint}; near: {excerpt}"
 
 
 def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:

@@ -325,7 +325,7 @@ GOOD = json.dumps({"id": "ok", "prompt": "fine"})
 @pytest.mark.parametrize(
     ("lines", "line", "message"),
     [
-        (["", "", "{not json"], 3, "invalid JSON"),
+        (["", "", "{not json"], "3:2", "invalid JSON"),
         ([GOOD, "[1, 2]"], 2, "must be a JSON object, got list"),
         ([GOOD, "", json.dumps({"id": "x", "images": []})], 3, "exactly one of 'prompt'"),
         ([json.dumps({"prompt": "a", "messages": [{"role": "user", "content": "a"}]})], 1, "exactly one of"),
@@ -387,30 +387,29 @@ JSON_MISTAKES = [
 @pytest.mark.parametrize(
     ("line", "column", "hint"), JSON_MISTAKES, ids=["trailing-comma", "no-brace", "single-quotes", "cut"]
 )
-def test_invalid_json_points_at_the_real_column_with_a_caret_and_a_hint(
+def test_invalid_json_names_file_line_and_the_real_column_with_a_hint_and_the_line(
     tmp_path, newline, line, column, hint
 ):
     path = tmp_path / "data.jsonl"
     path.write_bytes(newline.join([GOOD, "", line, GOOD]).encode() + newline.encode())
     with pytest.raises(ValueError) as raised:
         data.read_jsonl(path)
-    first, excerpt, caret = str(raised.value).split("\n")
-    assert re.match(rf"{re.escape(str(path))}:3: invalid JSON at column {column}: .*{re.escape(hint)}", first)
-    assert excerpt == "    " + line
-    assert caret == " " * (4 + column - 1) + "^"
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.match(rf"{re.escape(str(path))}:3:{column}: invalid JSON: .*{re.escape(hint)}", message)
+    assert message.endswith("; near: " + line)  # a short line is shown whole
 
 
-def test_a_long_line_is_shown_around_the_fault_with_the_caret_under_it(tmp_path):
-    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'  # wide characters take two terminal cells each
+def test_a_long_line_is_shown_around_the_fault_only(tmp_path):
+    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'
     path = tmp_path / "data.jsonl"
     path.write_text(line + "\n", encoding="utf-8")
     with pytest.raises(ValueError) as raised:
         data.read_jsonl(path)
-    first, excerpt, caret = str(raised.value).split("\n")
-    assert f":1: invalid JSON at column {len(line) - 1}: " in first  # the comma before the last '}'
-    assert excerpt.startswith("    ...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 120
-    cells = sum(2 if ch == "图" else 1 for ch in excerpt[: excerpt.rindex(",")])
-    assert caret == " " * cells + "^"
+    message = str(raised.value)
+    assert f":1:{len(line) - 1}: invalid JSON: " in message  # the comma before the last '}'
+    excerpt = message.split("; near: ")[1]
+    assert excerpt.startswith("...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 70
 
 
 def test_a_byte_order_mark_at_the_start_of_a_jsonl_file_is_not_part_of_the_json(tmp_path):
