@@ -51,7 +51,7 @@ VISION_END = "<|vision_end|>"
 
 
 # --------------------------------------------------------------------------------------------------
-# JSONL datasets
+# Samples: JSONL files, their images, the built-in tasks
 
 
 def location(sample: dict) -> str:
@@ -161,6 +161,36 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
         raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
 
 
+def load_samples(
+    paths: Sequence[str],
+    eval_path: str | None,
+    *,
+    task: str,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    prompt_template: str | None,
+) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
+    task's splits; rendered with the prompt template file, if any."""
+    if paths:
+        train = []
+        for path in paths:
+            loaded = read_jsonl(path)
+            print(f"loaded {len(loaded)} samples from {path}")
+            train += loaded
+        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
+    else:
+        train = tasks.make_task(task, train_size, seed=seed)
+        held_out = tasks.make_task(task, eval_size, split="test", seed=seed)
+    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
+    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
+
+
+# --------------------------------------------------------------------------------------------------
+# Image ablation: does the policy look at the images?
+
+
 IMAGE_ABLATIONS = ("blank", "shuffle")
 
 
@@ -190,7 +220,7 @@ def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict
 
 
 # --------------------------------------------------------------------------------------------------
-# Chat text and tensors
+# Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N
 
 
 DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
@@ -405,12 +435,58 @@ def _expand_image_pads(texts: list[str], tokens_per_image: list[int]) -> list[st
     return out
 
 
+def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
+    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
+    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
+    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
+    if frame is None:
+        return samples
+    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
+    out = []
+    for sample, k, n in zip(samples, first_image, batch.images_per_row):
+        if n:
+            sizes = {
+                "original_size": list(batch.image_sizes[k]),
+                "resized_size": list(batch.resized_sizes[k]),
+            }
+            sample = {**sample, "grounding": {"frame": frame, **sizes}}
+        out.append(sample)
+    return out
+
+
+def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
+    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
+    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
+    G = group_size
+    out: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in batch.inputs:
+            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
+    if "image_grid_thw" in batch.inputs:
+        grid = batch.inputs["image_grid_thw"]  # (images, 3)
+        grids_per_row = grid.split(batch.images_per_row)
+        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
+        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
+        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
+        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
+    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
+    return PromptBatch(inputs=out, images_per_row=images_per_row)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling and decoding: which tokens end or never appear in a completion
+
+
 # Qwen-VL's grounding markers: special tokens a completion may contain (Qwen2-VL writes its boxes as
 # <|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>).
 GROUNDING_TOKENS = (
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
     "<|quad_end|>",
-)  # fmt: skip
+)
 
 
 def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
@@ -442,9 +518,13 @@ def sampling_options(
     image token would have no pixels)."""
     ends = end_of_turn_ids(tokenizer, generation_config)
     return dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends,
-        pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppressed_tokens(tokenizer, ends),
-    )  # fmt: skip
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=ends,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=suppressed_tokens(tokenizer, ends),
+    )
 
 
 def decode_completions(
@@ -459,46 +539,24 @@ def decode_completions(
     return tokenizer.batch_decode([ids[k].tolist() for ids, k in zip(completion_ids, keep)])
 
 
-def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
-    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
-    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
-    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
-    if frame is None:
-        return samples
-    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
-    return [
-        {**s, "grounding": {"frame": frame, "original_size": list(batch.image_sizes[k]),
-                            "resized_size": list(batch.resized_sizes[k])}} if n else s
-        for s, k, n in zip(samples, first_image, batch.images_per_row)
-    ]  # fmt: skip
-
-
-def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
-    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
-    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
-    G = group_size
-    out: dict[str, torch.Tensor] = {}
-    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
-        if key in batch.inputs:
-            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
-    if "image_grid_thw" in batch.inputs:
-        grid = batch.inputs["image_grid_thw"]  # (images, 3)
-        grids_per_row = grid.split(batch.images_per_row)
-        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
-        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
-        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
-        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
-    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
-    return PromptBatch(inputs=out, images_per_row=images_per_row)
+# --------------------------------------------------------------------------------------------------
+# The samples of each step
 
 
 EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
 
 
 def batch_for_step(
-    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1, *,
-    sampling_round: int = 0, rounds: int = 1,
-) -> list[dict]:  # fmt: skip
+    samples: list[dict],
+    step: int,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    sampling_round: int = 0,
+    rounds: int = 1,
+) -> list[dict]:
     """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
     permutations; a pure function of the step (and of dynamic sampling's round k of `rounds`; k > 0 reads a
     stream of its own): resume is exact. NOTE: --adv-scale batch divides by this rank's batch's std."""
@@ -510,23 +568,3 @@ def batch_for_step(
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
     return global_batch[rank * batch_size : (rank + 1) * batch_size]
-
-
-def load_samples(
-    paths: Sequence[str], eval_path: str | None, *, task: str, train_size: int, eval_size: int, seed: int,
-    prompt_template: str | None,
-) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
-    task's splits; rendered with the prompt template file, if any."""
-    if paths:
-        train = []
-        for path in paths:
-            loaded = read_jsonl(path)
-            print(f"loaded {len(loaded)} samples from {path}")
-            train += loaded
-        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
-    else:
-        train = tasks.make_task(task, train_size, seed=seed)
-        held_out = tasks.make_task(task, eval_size, split="test", seed=seed)
-    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
-    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
