@@ -1,4 +1,4 @@
-"""Samples, synthetic tasks and image+text input preparation for Qwen-VL style models.
+"""Samples, image+text input preparation for Qwen-VL style models, and decoding completions.
 
 A *sample* is a plain dict, one per JSONL line:
 
@@ -6,8 +6,8 @@ A *sample* is a plain dict, one per JSONL line:
      "label": "通过", ...any other fields, passed to the reward functions untouched}
 
 - `images`: paths relative to the JSONL file (absolute paths work too); may be empty or absent (text-only).
-  Several images form one group-level sample: the model sees all of them in one prompt. Synthetic tasks
-  put `PIL.Image` objects here instead of paths.
+  Several images form one group-level sample: the model sees all of them in one prompt. The built-in
+  tasks (tasks.py) put `PIL.Image` objects here instead of paths.
 - `prompt` (a string; the images are placed before it in one user turn) or `messages` (chat form,
   `[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...]`, with one
   `{"type": "image"}` entry per image, in order).
@@ -35,14 +35,15 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
+
+import tasks
 
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
@@ -50,7 +51,7 @@ VISION_END = "<|vision_end|>"
 
 
 # --------------------------------------------------------------------------------------------------
-# JSONL datasets
+# Samples: JSONL files, their images, the built-in tasks
 
 
 def location(sample: dict) -> str:
@@ -80,18 +81,18 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 sample = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: {_describe_json_error(text, e)}") from e
+                raise ValueError(_json_error(where, text, e)) from e
             samples.append(_validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
     return samples
 
 
-EXCERPT_WIDTH = 100  # characters of a long line shown around a JSON error
+EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error
 
 
-def _describe_json_error(text: str, e: json.JSONDecodeError) -> str:
-    """'invalid JSON at column C: why (a hint)', then the line with a caret under the offending character.
+def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
+    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>', on one line.
 
     The column is 1-based within `text` (one line, without its newline). A trailing comma is reported at
     the comma itself, not at the '}' after it where json notices it.
@@ -109,21 +110,9 @@ def _describe_json_error(text: str, e: json.JSONDecodeError) -> str:
     elif not text[pos:].strip():
         hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
     why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
-    return f"invalid JSON at column {pos + 1}: {why}{hint}\n{_caret_excerpt(text, pos)}"
-
-
-def _caret_excerpt(text: str, pos: int) -> str:
-    """The line (a window of it when long), indented, and under it a caret at character `pos`."""
-    start = max(0, min(pos - EXCERPT_WIDTH // 2, len(text) - EXCERPT_WIDTH))
-    end = start + EXCERPT_WIDTH
-    cut = "..." if start else ""
-    shown = cut + text[start:end] + ("..." if end < len(text) else "")
-    # The caret lines up in a terminal: tabs stay tabs, East Asian wide characters take two cells.
-    pad = "".join(
-        "\t" if c == "\t" else "  " if unicodedata.east_asian_width(c) in ("W", "F") else " "
-        for c in cut + text[start:pos]
-    )
-    return f"    {shown}\n    {pad}^"
+    start, end = max(pos - EXCERPT_CHARS, 0), pos + EXCERPT_CHARS
+    excerpt = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
+    return f"{where}:{pos + 1}: invalid JSON: {why}{hint}; near: {excerpt}"
 
 
 def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
@@ -172,6 +161,36 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
         raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
 
 
+def load_samples(
+    paths: Sequence[str],
+    eval_path: str | None,
+    *,
+    task: str,
+    train_size: int,
+    eval_size: int,
+    seed: int,
+    prompt_template: str | None,
+) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
+    task's splits; rendered with the prompt template file, if any."""
+    if paths:
+        train = []
+        for path in paths:
+            loaded = read_jsonl(path)
+            print(f"loaded {len(loaded)} samples from {path}")
+            train += loaded
+        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
+    else:
+        train = tasks.make_task(task, train_size, seed=seed)
+        held_out = tasks.make_task(task, eval_size, split="test", seed=seed)
+    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
+    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
+
+
+# --------------------------------------------------------------------------------------------------
+# Image ablation: does the policy look at the images?
+
+
 IMAGE_ABLATIONS = ("blank", "shuffle")
 
 
@@ -201,7 +220,7 @@ def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict
 
 
 # --------------------------------------------------------------------------------------------------
-# Chat text and tensors
+# Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N
 
 
 DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
@@ -345,23 +364,16 @@ def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | 
     high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
     if not 0 < low <= high:
         raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
-    # transformers 5 keeps them as size["shortest_edge"] / size["longest_edge"] (pixel counts despite the
-    # names); older processors had min_pixels / max_pixels attributes.
+    # NOTE: pixel counts despite the names: the processor resizes each image to between low and high pixels.
     image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
-    for name, value in (("min_pixels", low), ("max_pixels", high)):
-        if getattr(image_processor, name, None) is not None:
-            setattr(image_processor, name, value)
 
 
 def image_pixel_budget(image_processor) -> int | None:
     """The most pixels an image keeps; Qwen-VL processors resize a larger one down to about this many."""
     if image_processor is None:
         return None
-    # transformers 5 keeps max_pixels as size["longest_edge"] (a pixel count despite the name) and resizes
-    # by it (`get_number_of_image_patches`); older processors had a `max_pixels` attribute.
-    size = getattr(image_processor, "size", None)
-    budget = size.get("longest_edge") if size is not None and hasattr(size, "get") else None
-    return budget if budget is not None else getattr(image_processor, "max_pixels", None)
+    # NOTE: a pixel count despite the name; the processor resizes by it (`get_number_of_image_patches`).
+    return image_processor.size["longest_edge"]
 
 
 def check_samples(
@@ -423,12 +435,58 @@ def _expand_image_pads(texts: list[str], tokens_per_image: list[int]) -> list[st
     return out
 
 
+def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
+    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
+    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
+    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
+    if frame is None:
+        return samples
+    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
+    out = []
+    for sample, k, n in zip(samples, first_image, batch.images_per_row):
+        if n:
+            sizes = {
+                "original_size": list(batch.image_sizes[k]),
+                "resized_size": list(batch.resized_sizes[k]),
+            }
+            sample = {**sample, "grounding": {"frame": frame, **sizes}}
+        out.append(sample)
+    return out
+
+
+def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
+    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
+    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
+    G = group_size
+    out: dict[str, torch.Tensor] = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in batch.inputs:
+            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
+    if "image_grid_thw" in batch.inputs:
+        grid = batch.inputs["image_grid_thw"]  # (images, 3)
+        grids_per_row = grid.split(batch.images_per_row)
+        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
+        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
+        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
+        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
+    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
+    return PromptBatch(inputs=out, images_per_row=images_per_row)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling and decoding: which tokens end or never appear in a completion
+
+
 # Qwen-VL's grounding markers: special tokens a completion may contain (Qwen2-VL writes its boxes as
 # <|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>).
 GROUNDING_TOKENS = (
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
     "<|quad_end|>",
-)  # fmt: skip
+)
 
 
 def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
@@ -460,9 +518,13 @@ def sampling_options(
     image token would have no pixels)."""
     ends = end_of_turn_ids(tokenizer, generation_config)
     return dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends,
-        pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppressed_tokens(tokenizer, ends),
-    )  # fmt: skip
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=ends,
+        pad_token_id=tokenizer.pad_token_id,
+        suppress_token_ids=suppressed_tokens(tokenizer, ends),
+    )
 
 
 def decode_completions(
@@ -477,148 +539,24 @@ def decode_completions(
     return tokenizer.batch_decode([ids[k].tolist() for ids, k in zip(completion_ids, keep)])
 
 
-def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
-    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
-    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
-    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
-    if frame is None:
-        return samples
-    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
-    return [
-        {**s, "grounding": {"frame": frame, "original_size": list(batch.image_sizes[k]),
-                            "resized_size": list(batch.resized_sizes[k])}} if n else s
-        for s, k, n in zip(samples, first_image, batch.images_per_row)
-    ]  # fmt: skip
-
-
-def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
-    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
-    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
-    G = group_size
-    out: dict[str, torch.Tensor] = {}
-    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
-        if key in batch.inputs:
-            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
-    if "image_grid_thw" in batch.inputs:
-        grid = batch.inputs["image_grid_thw"]  # (images, 3)
-        grids_per_row = grid.split(batch.images_per_row)
-        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
-        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
-        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
-        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
-    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
-    return PromptBatch(inputs=out, images_per_row=images_per_row)
-
-
 # --------------------------------------------------------------------------------------------------
-# Built-in synthetic tasks (drawn with PIL from a seed; the same seed always gives the same samples)
-
-# The rewards each built-in task trains with when --reward is not given.
-TASK_REWARDS = {
-    "shapes": ("answer_match",),
-    "inspection": ("label", "format"),
-    "summaries": ("label", "format"),
-}
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
-SHAPES = ("circle", "square", "triangle")
-IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
-SHAPES_PROMPT = "what colour and shape is this?"
-INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
-SUMMARIES_PROMPT = "inspect the installation from the photo summaries. answer 通过 or 不通过, then 理由:."
-TASKS = ("shapes", "inspection")  # the image tasks the tiny model was warm-started on
-TEXT_TASKS = ("summaries",)  # per-image text summaries instead of images (no vision needed)
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], fill) -> None:
-    x0, y0, x1, y1 = box
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=fill)
-
-
-def _shapes_sample(rng: random.Random, index: int) -> dict:
-    colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
-    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (235, 235, 235))
-    size = rng.randint(30, 46)
-    x0, y0 = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
-    _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
-    return {
-        "id": f"shapes-{index}",
-        "images": [image],
-        "prompt": SHAPES_PROMPT,
-        "answer": f"{colour} {shape}",
-    }
-
-
-def _inspection_sample(rng: random.Random, index: int) -> dict:
-    """1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark.
-
-    The per-photo defect probability makes pass and fail equally likely for every photo count.
-    """
-    n_images = rng.randint(1, 4)
-    p_defect = 1 - 0.5 ** (1 / n_images)
-    images, defective = [], []
-    for k in range(n_images):
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle((6, 6, 49, 49), fill=(120, 125, 135))  # the panel
-        for bx, by in ((12, 12), (40, 12), (12, 40), (40, 40)):  # four bolts
-            draw.ellipse((bx - 3, by - 3, bx + 3, by + 3), fill=(60, 60, 60))
-        if rng.random() < p_defect:
-            cx, cy, r = rng.randint(16, 40), rng.randint(16, 40), rng.randint(6, 9)
-            draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
-            defective.append(k + 1)
-        images.append(image)
-    if defective:
-        label, reason = "不通过", f"理由: 图片{defective[0]}有缺陷"
-    else:
-        label, reason = "通过", "理由: 无缺陷"
-    return {
-        "id": f"inspection-{index}",
-        "images": images,
-        "prompt": INSPECTION_PROMPT,
-        "label": label,
-        "answer": f"{label}\n{reason}",
-    }
-
-
-def _summaries_sample(rng: random.Random, index: int) -> dict:
-    """The inspection task from text alone: each photo is replaced by a one-line summary of it.
-
-    This is the second stage of a "summaries first, verdict second" pipeline, where another model has
-    already described every photo; the same verdict rule and answer format apply.
-    """
-    sample = _inspection_sample(rng, index)
-    # A red defect mark is the only saturated red in a photo, so the summary is read off the pixels.
-    summaries = [
-        "面板有红色缺陷" if any(r > 200 and g < 80 for r, g, _ in image.getdata()) else "面板正常, 四个螺栓"
-        for image in sample.pop("images")
-    ]
-    return {**sample, "id": f"summaries-{index}", "summaries": summaries, "prompt": SUMMARIES_PROMPT}
-
-
-def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
-    """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
-    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample, "summaries": _summaries_sample}
-    if name not in makers:
-        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(makers)}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    # Disjoint streams per task and split: a held-out sample is never a training sample re-drawn.
-    rng = random.Random(f"{name}/{split}/{seed}")
-    return [makers[name](rng, i) for i in range(n)]
+# The samples of each step
 
 
 EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
 
 
 def batch_for_step(
-    samples: list[dict], step: int, batch_size: int, seed: int, rank: int = 0, world: int = 1, *,
-    sampling_round: int = 0, rounds: int = 1,
-) -> list[dict]:  # fmt: skip
+    samples: list[dict],
+    step: int,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    sampling_round: int = 0,
+    rounds: int = 1,
+) -> list[dict]:
     """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
     permutations; a pure function of the step (and of dynamic sampling's round k of `rounds`; k > 0 reads a
     stream of its own): resume is exact. NOTE: --adv-scale batch divides by this rank's batch's std."""
@@ -630,23 +568,3 @@ def batch_for_step(
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
     return global_batch[rank * batch_size : (rank + 1) * batch_size]
-
-
-def load_samples(
-    paths: Sequence[str], eval_path: str | None, *, task: str, train_size: int, eval_size: int, seed: int,
-    prompt_template: str | None,
-) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
-    task's splits; rendered with the prompt template file, if any."""
-    if paths:
-        train = []
-        for path in paths:
-            loaded = read_jsonl(path)
-            print(f"loaded {len(loaded)} samples from {path}")
-            train += loaded
-        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
-    else:
-        train = make_task(task, train_size, seed=seed)
-        held_out = make_task(task, eval_size, split="test", seed=seed)
-    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
-    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)

@@ -355,7 +355,7 @@ def _run_block(
         out = torch.utils.checkpoint.checkpoint(block, hidden_states, use_reentrant=False, **block_kwargs)
     else:
         out = block(hidden_states, **block_kwargs)
-    return out[0] if isinstance(out, tuple) else out  # transformers < 5 returned (hidden_states, ...)
+    return out[0] if isinstance(out, tuple) else out  # a tuple from a few families' blocks (Chameleon, TrOCR)
 
 
 def trunk_logprobs(

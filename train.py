@@ -45,6 +45,7 @@ import lora
 import model_io
 import rewards
 import speedups
+import tasks
 
 
 @dataclass
@@ -595,7 +596,7 @@ def loss_options(args: Args) -> dict:
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
-    names = args.reward or data.TASK_REWARDS[task]
+    names = args.reward or tasks.TASK_REWARDS[task]
     return rewards.rewards_from_flags(names, args.reward_weight, args.gate, builtins)
 
 

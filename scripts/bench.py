@@ -56,6 +56,7 @@ import grpo
 import lora
 import model_io
 import speedups
+import tasks
 import train
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
@@ -178,7 +179,7 @@ def build_model(config: Config):
 
 def task_samples(config: Config, n: int) -> list[dict]:
     """n inspection samples (1-4 photos each), photos resized to config.image_size."""
-    samples = data.make_task("inspection", n, seed=0)
+    samples = tasks.make_task("inspection", n, seed=0)
     for sample in samples:
         sample["images"] = [im.resize((config.image_size,) * 2) for im in sample["images"]]
     return samples

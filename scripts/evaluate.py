@@ -66,6 +66,7 @@ import lora
 import model_io
 import rewards
 import speedups
+import tasks
 from scripts import outputs
 
 
@@ -148,7 +149,7 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     """The samples, each with `_source` and `_id` (its key in the output), and the built-in task or None."""
     template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
     if not args.data:
-        samples = data.make_task(args.task, args.eval_size, split="test", seed=args.seed)
+        samples = tasks.make_task(args.task, args.eval_size, split="test", seed=args.seed)
         samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
         return data.apply_prompt_template(samples, template), args.task
     samples, seen = [], {}
@@ -199,7 +200,7 @@ def generate(
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
-    names = args.reward or data.TASK_REWARDS.get(task, ())
+    names = args.reward or tasks.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     with cli.user_errors():

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
 import data
 import rewards
+import tasks
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # pad
@@ -90,8 +91,8 @@ TRAIN_SAMPLES = 4000  # warm-start samples per task; each batch is drawn from th
 
 def build_tokenizer(seed: int) -> PreTrainedTokenizerFast:
     corpus = []
-    for task in data.TASKS:
-        for s in data.make_task(task, 400, seed=seed):
+    for task in tasks.TASKS:
+        for s in tasks.make_task(task, 400, seed=seed):
             corpus += [s["prompt"], s["answer"]]
     corpus += [
         "user",
@@ -220,9 +221,9 @@ def held_out_metrics(model, tokenizer, image_processor, samples, *, batch_size: 
 
 def check_args(args: Args) -> None:
     """Every flag's range before any work (cli.UsageError)."""
-    tasks = ", ".join(data.TASKS)
+    known = ", ".join(tasks.TASKS)
     cli.check(
-        args.target_task in data.TASKS, "--target-task", f"unknown {args.target_task!r}; known: {tasks}"
+        args.target_task in tasks.TASKS, "--target-task", f"unknown {args.target_task!r}; known: {known}"
     )
     accuracy = args.target_accuracy
     cli.check(0 < accuracy <= 1, "--target-accuracy", f"must be in (0, 1], got {accuracy}")
@@ -258,14 +259,14 @@ def main(args: Args) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}, parameters {n_params:,}")
 
-    train = {t: data.make_task(t, TRAIN_SAMPLES, seed=args.seed) for t in data.TASKS}
-    held_out = {t: data.make_task(t, args.eval_samples, split="test", seed=args.seed) for t in data.TASKS}
+    train = {t: tasks.make_task(t, TRAIN_SAMPLES, seed=args.seed) for t in tasks.TASKS}
+    held_out = {t: tasks.make_task(t, args.eval_samples, split="test", seed=args.seed) for t in tasks.TASKS}
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed)
     model.train()
     accuracy = {}
     for step in range(1, args.max_steps + 1):
-        task = data.TASKS[step % len(data.TASKS)]  # alternate tasks: both stay in the warm-start
+        task = tasks.TASKS[step % len(tasks.TASKS)]  # alternate tasks: both stay in the warm-start
         inputs, labels = sft_batch(rng.sample(train[task], args.batch_size), tokenizer, image_processor)
         logits = model(**inputs).logits[:, :-1]  # position i predicts token i+1
         loss = torch.nn.functional.cross_entropy(
@@ -276,7 +277,7 @@ def main(args: Args) -> None:
         opt.step()
         if step % args.eval_every == 0:
             accuracy = {
-                t: held_out_metrics(model, tokenizer, image_processor, held_out[t]) for t in data.TASKS
+                t: held_out_metrics(model, tokenizer, image_processor, held_out[t]) for t in tasks.TASKS
             }
             print(f"step {step:4d}  loss {loss.item():.3f}  held-out {accuracy}  ({time.time() - t0:.0f}s)")
             if accuracy[args.target_task]["accuracy"] >= args.target_accuracy:

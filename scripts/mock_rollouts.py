@@ -37,7 +37,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
-import data
+import tasks
 
 
 @dataclass
@@ -64,7 +64,7 @@ FLIP = {"通过": "不通过", "不通过": "通过", "pass": "fail", "fail": "p
 
 
 def builtin_prompts(n: int, seed: int) -> list[dict]:
-    samples = data.make_task("inspection", n, seed=seed)
+    samples = tasks.make_task("inspection", n, seed=seed)
     return [
         {"prompt_id": s["id"], "prompt": s["prompt"], "label": s["label"], "answer": s["answer"]}
         for s in samples

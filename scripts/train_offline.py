@@ -82,6 +82,7 @@ import grpo
 import logs
 import lora
 import model_io
+import tasks
 
 
 @dataclass
@@ -292,7 +293,7 @@ def write_demo(directory: Path, n: int, seed: int) -> tuple[Path, Path]:
     paths = []
     for split, count in (("train", n), ("val", max(n // 4, 1))):
         lines = []
-        for sample in data.make_task(
+        for sample in tasks.make_task(
             "inspection", count, split="test" if split == "val" else "train", seed=seed
         ):
             images = []

@@ -16,6 +16,7 @@ import grpo
 import model_io
 import rewards
 import speedups
+import tasks
 import train
 from scripts import evaluate
 
@@ -146,7 +147,7 @@ def test_max_pixels_shrinks_the_resize_and_the_prompt_length_check_uses_it(token
 
 
 def test_image_ablation_blanks_each_image_at_its_size_or_moves_every_image_to_another_slot():
-    samples = data.make_task("inspection", 6, split="test", seed=0)
+    samples = tasks.make_task("inspection", 6, split="test", seed=0)
     blank = data.ablate_images(samples, "blank")
     for real, ablated in zip(samples, blank):
         assert [im.size for im in ablated["images"]] == [im.size for im in real["images"]]

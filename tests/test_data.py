@@ -1,5 +1,4 @@
-"""data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation,
-built-in tasks.
+"""data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation.
 
 The tensors are checked against independent references: `repeat_rows` against preparing the repeated list of
 samples, placeholder runs against the grid arithmetic written out by hand, and the images' effect on the model
@@ -19,7 +18,7 @@ from PIL import Image
 import data
 import grpo
 import model_io
-import rewards
+import tasks
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -39,7 +38,7 @@ def solid(width: int, height: int, colour: tuple[int, int, int]) -> Image.Image:
 def multi_image_samples(n: int) -> list[dict]:
     """`n` inspection samples with 2+ images, of which at least two differ (so swapping them matters)."""
     found = []
-    for s in data.make_task("inspection", 200, seed=0):
+    for s in tasks.make_task("inspection", 200, seed=0):
         distinct = {im.tobytes() for im in s["images"]}
         if len(s["images"]) >= 2 and len(distinct) >= 2:
             found.append(s)
@@ -189,7 +188,7 @@ def test_text_only_samples_have_no_image_inputs_and_match_the_chat_template(tiny
 
 def test_mixed_text_only_and_image_rows_run_through_the_model(tiny):
     model, tok, ip = tiny
-    samples = [{"id": "t", "prompt": "what colour and shape is this?"}, data.make_task("shapes", 1)[0]]
+    samples = [{"id": "t", "prompt": "what colour and shape is this?"}, tasks.make_task("shapes", 1)[0]]
     batch = data.repeat_rows(data.prepare_prompts(samples, tok, ip, device="cpu"), G)
     assert batch.images_per_row == [0] * G + [1] * G
     assert not batch.inputs["mm_token_type_ids"][:G].any()
@@ -326,7 +325,7 @@ GOOD = json.dumps({"id": "ok", "prompt": "fine"})
 @pytest.mark.parametrize(
     ("lines", "line", "message"),
     [
-        (["", "", "{not json"], 3, "invalid JSON"),
+        (["", "", "{not json"], "3:2", "invalid JSON"),
         ([GOOD, "[1, 2]"], 2, "must be a JSON object, got list"),
         ([GOOD, "", json.dumps({"id": "x", "images": []})], 3, "exactly one of 'prompt'"),
         ([json.dumps({"prompt": "a", "messages": [{"role": "user", "content": "a"}]})], 1, "exactly one of"),
@@ -388,30 +387,29 @@ JSON_MISTAKES = [
 @pytest.mark.parametrize(
     ("line", "column", "hint"), JSON_MISTAKES, ids=["trailing-comma", "no-brace", "single-quotes", "cut"]
 )
-def test_invalid_json_points_at_the_real_column_with_a_caret_and_a_hint(
+def test_invalid_json_names_file_line_and_the_real_column_with_a_hint_and_the_line(
     tmp_path, newline, line, column, hint
 ):
     path = tmp_path / "data.jsonl"
     path.write_bytes(newline.join([GOOD, "", line, GOOD]).encode() + newline.encode())
     with pytest.raises(ValueError) as raised:
         data.read_jsonl(path)
-    first, excerpt, caret = str(raised.value).split("\n")
-    assert re.match(rf"{re.escape(str(path))}:3: invalid JSON at column {column}: .*{re.escape(hint)}", first)
-    assert excerpt == "    " + line
-    assert caret == " " * (4 + column - 1) + "^"
+    message = str(raised.value)
+    assert "\n" not in message
+    assert re.match(rf"{re.escape(str(path))}:3:{column}: invalid JSON: .*{re.escape(hint)}", message)
+    assert message.endswith("; near: " + line)  # a short line is shown whole
 
 
-def test_a_long_line_is_shown_around_the_fault_with_the_caret_under_it(tmp_path):
-    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'  # wide characters take two terminal cells each
+def test_a_long_line_is_shown_around_the_fault_only(tmp_path):
+    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'
     path = tmp_path / "data.jsonl"
     path.write_text(line + "\n", encoding="utf-8")
     with pytest.raises(ValueError) as raised:
         data.read_jsonl(path)
-    first, excerpt, caret = str(raised.value).split("\n")
-    assert f":1: invalid JSON at column {len(line) - 1}: " in first  # the comma before the last '}'
-    assert excerpt.startswith("    ...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 120
-    cells = sum(2 if ch == "图" else 1 for ch in excerpt[: excerpt.rindex(",")])
-    assert caret == " " * cells + "^"
+    message = str(raised.value)
+    assert f":1:{len(line) - 1}: invalid JSON: " in message  # the comma before the last '}'
+    excerpt = message.split("; near: ")[1]
+    assert excerpt.startswith("...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 70
 
 
 def test_a_byte_order_mark_at_the_start_of_a_jsonl_file_is_not_part_of_the_json(tmp_path):
@@ -454,29 +452,3 @@ def test_relative_image_paths_resolve_against_the_jsonl_folder(tiny, tmp_path, m
         "prompt": "inspect the installation.",
     }
     assert_same_inputs(from_file, data.prepare_prompts([in_memory], tok, ip, device="cpu"))
-
-
-# --- built-in tasks -----------------------------------------------------------------------------------------
-
-
-def fingerprint(samples: list[dict]) -> list[tuple]:
-    return [(s["id"], s["prompt"], s["answer"], tuple(im.tobytes() for im in s["images"])) for s in samples]
-
-
-@pytest.mark.parametrize("task", data.TASKS)
-def test_builtin_tasks_are_deterministic_per_seed_and_splits_differ(task):
-    train = fingerprint(data.make_task(task, 30, seed=5))
-    assert train == fingerprint(data.make_task(task, 30, seed=5))
-    assert train != fingerprint(data.make_task(task, 30, seed=6))
-    test = fingerprint(data.make_task(task, 30, split="test", seed=5))
-    assert [t[2:] for t in train] != [t[2:] for t in test]  # ids repeat, contents must not
-
-
-def test_inspection_labels_are_balanced_and_reference_answers_are_well_formed():
-    samples = data.make_task("inspection", 400, seed=0)
-    passed = sum(s["label"] == "通过" for s in samples) / len(samples)
-    assert 0.35 <= passed <= 0.65
-    assert {len(s["images"]) for s in samples} == {1, 2, 3, 4}
-    for s in samples:
-        assert rewards.format_reward(s["answer"], s) == 1.0, s["answer"]
-        assert rewards.label_reward(s["answer"], s) == 1.0, s["answer"]

@@ -32,6 +32,7 @@ import grpo
 import lora
 import model_io
 import speedups
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,7 @@ def fixed_rollout(tmp_path_factory) -> Path:
     log-probs."""
     model, tokenizer, image_processor = tiny_model_with_lora()
     args = update_args("dapo")
-    prompts = data.batch_for_step(data.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
     reward_fns = train.resolve_rewards(args, "inspection")
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)

@@ -280,7 +280,7 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
     cases = {
         "invalid JSON line": (
             ['{"prompt": "a", "label": "通过"}', '{"prompt": "b",'],
-            r"bad\.jsonl:2: invalid JSON",
+            r"bad\.jsonl:2:\d+: invalid JSON",
         ),
         "missing prompt": ([ok, '{"images": [], "label": "通过"}'], r"bad\.jsonl:2: .*'prompt'"),
         "empty dataset": ([], r"bad\.jsonl: dataset is empty"),

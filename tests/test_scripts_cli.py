@@ -137,10 +137,10 @@ def test_an_internal_error_in_a_script_keeps_its_traceback_and_exits_1(tmp_path)
     code = f"""
 import runpy, sys
 sys.path.insert(0, {str(ROOT)!r})
-import data
+import tasks
 def broken(*args, **kwargs):
     raise RuntimeError("a bug in the task generator")
-data.make_task = broken
+tasks.make_task = broken
 sys.argv = {argv + ["--output", str(tmp_path / "out.jsonl")]!r}
 runpy.run_path("scripts/mock_rollouts.py", run_name="__main__")
 """

@@ -20,11 +20,12 @@ import cli
 import data
 import grpo
 import model_io
+import tasks
 import train
 from scripts import summarize_photos as sp
 
 ROOT = Path(__file__).resolve().parents[1]
-COLOURS = list(data.COLOURS.values())
+COLOURS = list(tasks.COLOURS.values())
 
 # Created in this (scrambled) order; a plain sort would put img10-img12 before IMG2 and upper case first.
 NATURAL_ORDER = [
@@ -51,7 +52,7 @@ def tree(root: Path, groups: dict[str, list[str]]) -> Path:
 
 def small_args(tmp_path: Path, photos: Path, **overrides) -> sp.Args:
     prompt = tmp_path / "prompt.txt"
-    prompt.write_text(data.SHAPES_PROMPT + "\n", encoding="utf-8")  # the question the tiny model knows
+    prompt.write_text(tasks.SHAPES_PROMPT + "\n", encoding="utf-8")  # the question the tiny model knows
     settings = dict(
         photos=str(photos),
         prompt_template=str(prompt),
@@ -103,7 +104,7 @@ def test_each_summary_is_the_models_answer_about_its_own_photo_alone(tmp_path):
     )
     expected = []
     for i in range(1, 5):
-        sample = {"images": [str(photos / "g" / f"p{i}.png")], "prompt": data.SHAPES_PROMPT}
+        sample = {"images": [str(photos / "g" / f"p{i}.png")], "prompt": tasks.SHAPES_PROMPT}
         batch = data.prepare_prompts([sample], tokenizer, image_processor, device="cpu")
         ids, _ = grpo.sample_completions(
             model, batch.inputs, max_new_tokens=16, temperature=0.0, eos_token_id=tokenizer.eos_token_id,

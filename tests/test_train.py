@@ -26,6 +26,7 @@ import grpo
 import lora
 import model_io
 import speedups
+import tasks
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def make_rollout(
     model, tokenizer, image_processor, args: train.Args, *, step: int = 0
 ) -> tuple[train.Run, train.Rollout]:
     """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
-    samples = data.make_task(args.task, args.train_size, seed=args.seed)
+    samples = tasks.make_task(args.task, args.train_size, seed=args.seed)
     prompts = data.batch_for_step(samples, step, args.batch_size, args.seed)
     reward_fns = train.resolve_rewards(args, args.task)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
@@ -372,7 +373,7 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
         for m in lora_modules(model).values():
             m.lora_B.weight.normal_(0.0, 0.05)
     # B = 3 prompts with 1, 2 and 4 images: prompt lengths differ, so the shorter rows are left-padded.
-    pool = data.make_task("inspection", 64, seed=0)
+    pool = tasks.make_task("inspection", 64, seed=0)
     prompts = [next(s for s in pool if len(s["images"]) == k) for k in (1, 2, 4)]
     G, temperature = 2, 0.7
     batch = data.prepare_prompts(prompts, tokenizer, image_processor, device=CPU)
