@@ -1,13 +1,17 @@
-"""lora.py: equivalence with the unadapted model, merge/unmerge, the disable switch; model_io.py's
-PEFT-format adapter files of it."""
+"""lora.py: equivalence with the unadapted model (a transformers VLM and a hand-written GPT), merge/unmerge,
+the disable switch, the settings' checks; model_io.py's PEFT-format adapter files of it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import VOCAB, make_random_causal_lm, make_random_vlm
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
@@ -231,6 +235,104 @@ def test_unrecognised_model_raises_naming_class_and_paths():
         lora.find_decoder_blocks(model)
 
 
+# --- any model: blocks passed by hand ---
+
+
+class ToyAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention with one head: c_attn makes q, k, v; c_proj projects back."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # each (batch, T, d)
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(d), ToyAttention(d), nn.LayerNorm(d)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(d, 4 * d), "c_proj": nn.Linear(4 * d, d)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class ToyGPT(nn.Module):
+    """nanoGPT's layout (`transformer.wte`, `.h`, `.ln_f`, `lm_head`); not a transformers model."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n_layer: int = 4) -> None:
+        super().__init__()
+        blocks = nn.ModuleList(ToyBlock(d) for _ in range(n_layer))
+        self.transformer = nn.ModuleDict(
+            {"wte": nn.Embedding(vocab, d), "h": blocks, "ln_f": nn.LayerNorm(d)}
+        )
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)  # (batch, T, d)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # (batch, T, vocab)
+
+
+@torch.no_grad()
+def test_blocks_passed_by_hand_adapt_a_gpt_that_transformers_did_not_build():
+    torch.manual_seed(0)
+    gpt = ToyGPT().eval()
+    idx = torch.randint(0, 32, (2, 8))
+    base = gpt(idx)
+    with pytest.raises(ValueError, match="cannot find the language decoder blocks of ToyGPT"):
+        lora.inject_lora(gpt, lora.LoRAConfig())  # no transformers layout to find
+    config = lora.LoRAConfig(lora_r=2, lora_alpha=4.0)
+    names = lora.inject_lora(gpt, config, blocks=gpt.transformer.h[-2:], targets=("c_attn", "c_proj", "c_fc"))
+    leaves = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert (
+        names
+        == list(lora.lora_modules(gpt))
+        == [f"transformer.h.{i}.{leaf}" for i in (2, 3) for leaf in leaves]
+    )
+    trainable = {n for n, p in gpt.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.lora_{ab}.weight" for n in names for ab in "AB"}
+    assert torch.equal(gpt(idx), base)  # B = 0
+    randomize_b(gpt)
+    adapted = gpt(idx)
+    assert not torch.allclose(adapted, base)
+    with lora.adapters_disabled(gpt):
+        assert torch.equal(gpt(idx), base)
+    lora.merge_lora(gpt)
+    torch.testing.assert_close(gpt(idx), adapted, atol=1e-6, rtol=0)
+
+
+def test_a_block_that_is_not_part_of_the_model_is_refused_before_any_change():
+    gpt = ToyGPT()
+    with pytest.raises(ValueError, match=r"blocks \['ToyBlock'\] are not submodules of ToyGPT"):
+        lora.inject_lora(gpt, lora.LoRAConfig(), blocks=[ToyBlock(16)], targets=("c_fc",))
+    assert all(p.requires_grad for p in gpt.parameters())
+
+
+# --- settings ---
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
+        ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
+        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
+        ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
+    ],
+)
+def test_config_check_names_the_flag_and_the_value(setting, message):
+    lora.LoRAConfig().check()  # the command line's defaults pass
+    with pytest.raises(ValueError) as error:
+        lora.LoRAConfig(**setting).check()
+    assert str(error.value) == message
+
+
 # --- the disable switch (reference policy) ---
 
 
@@ -367,3 +469,12 @@ def test_peft_loads_our_adapter_and_we_load_peft_s_with_the_same_logits(tmp_path
 
 
 # --- module boundary ---
+
+
+def test_lora_py_imports_alone_from_an_empty_folder(tmp_path):
+    (tmp_path / "lora.py").write_text((Path(__file__).parents[1] / "lora.py").read_text())
+    code = "import pathlib, lora; print(pathlib.Path(lora.__file__).resolve().parent)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == str(tmp_path.resolve())
