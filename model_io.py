@@ -1,4 +1,4 @@
-"""Loading models, saving full models, and atomic training checkpoints.
+"""Loading models, saving full models and LoRA adapters (PEFT's format), and atomic training checkpoints.
 
 - `load_model` loads a Qwen-VL checkpoint (`AutoModelForImageTextToText`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
   or a text-only causal LM (`AutoModelForCausalLM`) from a local folder or a hub id, with its tokenizer
@@ -7,11 +7,12 @@
   the embedded tiny model in `assets/` tests the real loading path offline.
 - `save_model` writes a full model with `save_pretrained` (call `lora.unload_lora` first to get a
   LoRA-merged checkpoint that any transformers user can load).
+- `save_adapter` / `load_adapter` write and read lora.py's adapters in PEFT's on-disk format, so
+  `peft.PeftModel.from_pretrained(base, dir)` reads them, and we read PEFT's (plain LoRA options only).
 - `cosine_with_warmup` is the learning-rate schedule both trainers use (its state is in every checkpoint).
 - `save_checkpoint` / `load_checkpoint` write and read a training checkpoint folder atomically: it is
   built under a temporary name and renamed into place only when complete, so a crash during a save
-  leaves the previous checkpoint intact. The adapter is written by a callback (this module does not
-  import `lora.py`; only `train.py` ties the modules together).
+  leaves the previous checkpoint intact. The adapter is written by a callback (e.g. `save_adapter`).
 
 Choices:
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -46,6 +48,8 @@ from transformers import (
     AutoModelForImageTextToText,
     AutoTokenizer,
 )
+
+import lora
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-qwen2.5-vl")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,6 +100,143 @@ def save_model(model, tokenizer, image_processor, directory: str | Path) -> None
     tokenizer.save_pretrained(directory)
     if image_processor is not None:
         image_processor.save_pretrained(directory)
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA adapters in PEFT's format
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Write to a temp file in the same directory, then os.replace: readers never see a partial file."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)  # atomic on POSIX within one filesystem
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _hyperparameters(model: torch.nn.Module) -> dict:
+    """The injected adapters' settings under PEFT's LoraConfig field names."""
+    modules = lora.lora_modules(model, required=True)
+    path, _ = lora.find_decoder_blocks(model)
+    if outside := [name for name in modules if not name.startswith(f"{path}.")]:
+        raise ValueError(f"PEFT's layers_to_transform counts blocks of {path}; {outside[0]} is not in one")
+    hyper = {(m.r, m.alpha, getattr(m.dropout, "p", 0.0)) for m in modules.values()}
+    if len(hyper) != 1:
+        raise ValueError(f"adapters have different (r, alpha, dropout): {sorted(hyper)}")
+    ((r, alpha, dropout),) = hyper
+    rest = [name[len(path) + 1 :].split(".") for name in modules]  # [layer, ..., leaf]
+    return {
+        "r": r,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted({parts[-1] for parts in rest}),
+        "layers_to_transform": sorted({int(parts[0]) for parts in rest}),
+        # layers_pattern keeps PEFT from matching same-named linears in the vision tower (`visual.blocks`).
+        "layers_pattern": path.rpartition(".")[2],
+    }
+
+
+def save_adapter(
+    model: torch.nn.Module, directory: str | os.PathLike, *, base_model_name_or_path: str
+) -> None:
+    """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each atomically."""
+    directory = os.fspath(directory)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **_hyperparameters(model)}
+    config |= {"bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False}
+    config |= {"inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
+    tensors = {_PEFT_PREFIX + k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
+    os.makedirs(directory, exist_ok=True)
+    _atomic_write(os.path.join(directory, ADAPTER_WEIGHTS), lambda p: save_file(tensors, p, {"format": "pt"}))
+    text = json.dumps(config, indent=2)
+    _atomic_write(os.path.join(directory, ADAPTER_CONFIG), lambda p: Path(p).write_text(text))
+
+
+def _check_loadable(config: dict) -> None:
+    """Reject PEFT options lora.py does not implement, rather than load them wrongly."""
+    bad = {
+        k: config.get(k)
+        for k in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
+    }
+    bad = {k: v for k, v in bad.items() if v}  # rslora would change scaling to alpha / sqrt(r)
+    if config.get("peft_type") != "LORA" or config.get("bias", "none") != "none":
+        bad |= {"peft_type": config.get("peft_type"), "bias": config.get("bias")}
+    if not isinstance(config.get("target_modules"), list):  # PEFT also allows one regex string
+        bad["target_modules"] = config.get("target_modules")
+    if bad:
+        raise ValueError(f"adapter_config.json uses options lora.py does not implement: {bad}")
+
+
+def _check_tensors(shapes: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    for key, shape in shapes.items():
+        if tuple(tensors[key].shape) != shape:
+            raise ValueError(
+                f"shape mismatch for {key!r}: adapter {tuple(tensors[key].shape)}, model {shape}"
+            )
+
+
+def load_adapter(
+    model: torch.nn.Module, directory: str | os.PathLike, *, lora_fp32: bool = True
+) -> list[str]:
+    """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
+
+    Every check (config, keys, shapes) runs before the model is changed, so a failed load leaves it intact.
+    The saved tensors are copied into the LoRA weights' own dtype: fp32 (`lora_fp32`, as in
+    `lora.LoRAConfig`) or the base dtype when this call injects, the existing adapters' dtype otherwise.
+    """
+    with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    _check_loadable(config)
+    r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
+    path, blocks = lora.find_decoder_blocks(model)
+    layers = config.get("layers_to_transform")
+    if layers is None:  # PEFT's "every layer"
+        layers = list(range(len(blocks)))
+    layers = sorted([layers] if isinstance(layers, int) else layers)
+    tensors = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
+    if modules := lora.lora_modules(model):
+        keys = ("r", "lora_alpha", "target_modules", "layers_to_transform")
+        have = {k: v for k, v in _hyperparameters(model).items() if k in keys}
+        want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
+        if have != want:
+            raise ValueError(f"model already has LoRA with a different config: model {have}, adapter {want}")
+        if any(m.merged for m in modules.values()):
+            raise RuntimeError("cannot load an adapter into merged weights; call unmerge_lora first")
+        linears = {name: m.base_layer for name, m in modules.items()}
+    else:
+        if any(i < 0 or i >= len(blocks) for i in layers):
+            raise ValueError(f"LoRA layers {layers} out of range: {path} has {len(blocks)} blocks")
+        adapted = [blocks[i] for i in layers]
+        linears = lora.target_linears(model, adapted, targets)
+    shapes = {}
+    for name, lin in linears.items():
+        shapes[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = (r, lin.in_features)
+        shapes[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (lin.out_features, r)
+    _check_tensors(shapes, tensors)
+    if not modules:
+        dropout = float(config.get("lora_dropout", 0.0))
+        settings = lora.LoRAConfig(
+            lora_last_k=len(layers), lora_r=r, lora_alpha=alpha, lora_fp32=lora_fp32, lora_dropout=dropout
+        )
+        lora.inject_lora(model, settings, blocks=adapted, targets=targets)
+        modules = lora.lora_modules(model)
+    with torch.no_grad():
+        for name, m in modules.items():
+            for part in ("lora_A", "lora_B"):
+                w = getattr(m, part).weight
+                w.copy_(tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"].to(device=w.device, dtype=w.dtype))
+    return list(modules)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -622,14 +622,14 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
-    lora_dtype = torch.float32 if args.lora_fp32 else None
-    lora.inject_lora(
-        model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-        dtype=lora_dtype,
-    )  # fmt: skip
-    speed = speedups.SpeedConfig(
-        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
+    lora_config = lora.LoRAConfig(
+        lora_last_k=args.lora_last_k,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_fp32=args.lora_fp32,
+        lora_dropout=args.lora_dropout,
     )
+    lora.inject_lora(model, lora_config)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
     ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
@@ -666,7 +666,7 @@ def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: A
         step=step, beta=beta, run_id=run_id, optimizer=run.optimizer.state_dict(),
         scheduler=run.scheduler.state_dict(), args=dataclasses.asdict(args),
     )  # fmt: skip
-    adapter = functools.partial(lora.save_adapter, run.model, base_model_name_or_path=args.model)
+    adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
     model_io.save_checkpoint(
         directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
     )
@@ -678,7 +678,7 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     with cli.user_errors("--resume: "):
         checkpoint, state, run_id = model_io.checkpoint_to_resume(path, out)
     with cli.user_errors(f"--resume {checkpoint}: "):
-        lora.load_adapter(run.model, checkpoint)
+        model_io.load_adapter(run.model, checkpoint)
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     model_io.set_rng_state(state["rng"])
@@ -735,7 +735,7 @@ def print_if(condition: bool, *values) -> None:
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     """The final adapter, the curves and the summary (rank 0)."""
     print()
-    lora.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
+    model_io.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logs.plot_curves(records, out / "curves.png")
     summary = logs.run_summary(records, seconds)

@@ -187,7 +187,7 @@ def task_samples(config: Config, n: int) -> list[dict]:
 
 def add_lora(model, config: Config) -> None:
     """LoRA in the last K blocks, with B != 0 (as after the first update) so the adapters change outputs."""
-    lora.inject_lora(model, last_k=config.K, r=config.r, alpha=2.0 * config.r)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=config.K, lora_r=config.r, lora_alpha=2.0 * config.r))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in lora.lora_parameters(model):
@@ -417,7 +417,8 @@ def _memory_model():
         tie_word_embeddings=False,
     )
     model = Qwen2ForCausalLM(config).eval()
-    lora.inject_lora(model, last_k=1, r=4, alpha=8.0)  # something to differentiate, as in training
+    # something to differentiate, as in training
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
     return model
 
 

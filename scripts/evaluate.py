@@ -383,7 +383,7 @@ def check_args(args: Args) -> None:
         for path in paths:
             cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
     if args.adapter is not None:
-        config = Path(args.adapter) / lora.ADAPTER_CONFIG
+        config = Path(args.adapter) / model_io.ADAPTER_CONFIG
         cli.check(
             config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
         )
@@ -402,7 +402,7 @@ def load_model(args: Args, device: torch.device):
         data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
-            lora.load_adapter(model, args.adapter)
+            model_io.load_adapter(model, args.adapter)
     return model.eval(), tokenizer, image_processor
 
 

@@ -76,7 +76,6 @@ import cli
 import data
 import distributed
 import grpo
-import lora
 import model_io
 import rewards
 import speedups
@@ -416,7 +415,7 @@ def describe_resizes(sizes: list[tuple[int, int]], image_processor) -> str | Non
 
 
 def load_model(args: Args, device: torch.device):
-    """(model, tokenizer, image_processor), with --adapter loaded (lora.load_adapter injects LoRA itself)."""
+    """(model, tokenizer, image_processor), with --adapter loaded (load_adapter injects LoRA itself)."""
     with cli.user_errors("--dtype: "):
         dtype = model_io.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
@@ -426,7 +425,7 @@ def load_model(args: Args, device: torch.device):
     )
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
-            lora.load_adapter(model, args.adapter)
+            model_io.load_adapter(model, args.adapter)
     return model.eval(), tokenizer, image_processor
 
 
@@ -551,7 +550,7 @@ def check_args(args: Args) -> None:
         suffix = Path(args.labels).suffix.lower()
         cli.check(suffix in (".csv", ".jsonl"), "--labels", f"{args.labels}: expected a .csv or .jsonl file")
     if args.adapter is not None:
-        config = Path(args.adapter) / lora.ADAPTER_CONFIG
+        config = Path(args.adapter) / model_io.ADAPTER_CONFIG
         cli.check(
             config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
         )

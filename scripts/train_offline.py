@@ -493,7 +493,7 @@ def save(directory: Path, model, optimizer, record: dict, args: Args, keep_last:
     state = {"epoch": record["epoch"], "metrics": record, "optimizer": optimizer.state_dict()}
     model_io.save_checkpoint(
         directory,
-        write_adapter=lambda d: lora.save_adapter(model, d, base_model_name_or_path=args.model),
+        write_adapter=lambda d: model_io.save_adapter(model, d, base_model_name_or_path=args.model),
         state={**state, "args": dataclasses.asdict(args)},
         keep_last=keep_last,
     )
@@ -677,7 +677,10 @@ def main(args: Args) -> dict:
     check_output(out, args.overwrite)
     model, tokenizer, image_processor, batches, val_batches = load_inputs(args, out, device)
     prepare_output(out)
-    lora.inject_lora(model, last_k=args.lora_last_k, r=args.lora_r, alpha=args.lora_alpha)
+    lora_config = lora.LoRAConfig(
+        lora_last_k=args.lora_last_k, lora_r=args.lora_r, lora_alpha=args.lora_alpha
+    )
+    lora.inject_lora(model, lora_config)
     inputs_of = functools.partial(
         batch_inputs,
         tokenizer=tokenizer,
@@ -704,7 +707,7 @@ def main(args: Args) -> dict:
     if args.old_logp_from == "grpo_start":  # the policy the GRPO phase starts from (after RCE)
         batches = with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
     run_grpo(model, batches, inputs_of, finish, args)
-    lora.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+    model_io.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
     return summarise(out, time.time() - t_start)
 
 

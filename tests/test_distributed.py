@@ -60,7 +60,7 @@ def tiny_model_with_lora():
         model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
     )
     torch.manual_seed(0)
-    lora.inject_lora(model, last_k=4, r=8, alpha=16.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora.lora_parameters(model):

@@ -1,13 +1,17 @@
-"""lora.py: equivalence with the unadapted model, merge/unmerge, the disable switch,
-PEFT-format adapter I/O."""
+"""lora.py: equivalence with the unadapted model (a transformers VLM and a hand-written GPT), merge/unmerge,
+the disable switch, the settings' checks; model_io.py's PEFT-format adapter files of it."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import VOCAB, make_random_causal_lm, make_random_vlm
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 from transformers import (
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
@@ -16,6 +20,7 @@ from transformers import (
 )
 
 import lora
+import model_io
 
 INPUT_IDS = torch.tensor([[7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25]])
 TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -36,7 +41,7 @@ def randomize_b(model: nn.Module, seed: int = 1) -> None:
 
 def adapted_vlm(last_k: int = 2, seed: int = 0, **kwargs) -> nn.Module:
     model = make_random_vlm(seed=seed, **kwargs)
-    lora.inject_lora(model, last_k=last_k, r=4, alpha=8.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=last_k, lora_r=4, lora_alpha=8.0))
     randomize_b(model)
     return model
 
@@ -87,7 +92,7 @@ def make_random_qwen3_vl() -> Qwen3VLForConditionalGeneration:
 def test_zero_b_gives_exactly_the_base_logits(make):
     model = make()
     base = logits(model)
-    lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
     assert torch.equal(logits(model), base)
     randomize_b(model)
     assert not torch.allclose(logits(model), base)  # the adapters are really in the forward path
@@ -116,7 +121,7 @@ def test_lora_parameters_are_fp32_by_default_and_follow_base_weight_dtype_with_d
 
 def test_injecting_into_an_eval_model_keeps_lora_dropout_off_until_train():
     model = make_random_vlm()  # eval mode
-    lora.inject_lora(model, last_k=2, r=4, alpha=8.0, dropout=0.5)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0, lora_dropout=0.5))
     randomize_b(model)
     assert torch.equal(logits(model), logits(model))
     model.train()
@@ -166,7 +171,7 @@ def test_unload_gives_standard_keys_and_the_adapted_logits(tmp_path):
 
 def test_only_targets_of_last_k_language_blocks_are_wrapped_and_trainable():
     model = make_random_vlm()
-    names = lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    names = lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
     wrapped = {n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
     assert set(names) == wrapped and len(names) == 2 * len(TARGETS)
     assert {n.split(".")[3] for n in names} == {"4", "5"}
@@ -192,18 +197,18 @@ def test_gradient_reaches_only_lora_parameters():
 def test_last_k_out_of_range_raises_and_leaves_model_untouched(last_k):
     model = make_random_vlm()
     with pytest.raises(ValueError, match=r"last_k must be in \[1, 6\].*6 blocks"):
-        lora.inject_lora(model, last_k=last_k, r=4, alpha=8.0)
+        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=last_k, lora_r=4, lora_alpha=8.0))
     assert all(p.requires_grad for p in model.parameters())
 
 
 def test_no_matching_target_or_second_injection_raises():
     model = make_random_vlm()
     with pytest.raises(ValueError, match="no nn.Linear named"):
-        lora.inject_lora(model, last_k=1, r=4, alpha=8.0, target_modules=("qkv",))
+        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0), targets=("qkv",))
     assert all(p.requires_grad for p in model.parameters())
-    lora.inject_lora(model, last_k=1, r=4, alpha=8.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
     with pytest.raises(ValueError, match="already has LoRA"):
-        lora.inject_lora(model, last_k=1, r=4, alpha=8.0)
+        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
 
 
 @pytest.mark.parametrize("make", [make_random_qwen2_vl, make_random_qwen3_vl])
@@ -213,7 +218,7 @@ def test_decoder_blocks_of_qwen2_vl_and_qwen3_vl_are_the_language_model_layers(m
     assert path == "model.language_model.layers"
     assert blocks is model.model.language_model.layers
     base = logits(model)
-    names = lora.inject_lora(model, last_k=1, r=2, alpha=4.0)
+    names = lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
     assert all(n.startswith("model.language_model.layers.2.") for n in names)
     assert torch.equal(logits(model), base)
 
@@ -230,13 +235,111 @@ def test_unrecognised_model_raises_naming_class_and_paths():
         lora.find_decoder_blocks(model)
 
 
+# --- any model: blocks passed by hand ---
+
+
+class ToyAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention with one head: c_attn makes q, k, v; c_proj projects back."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)  # each (batch, T, d)
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(d), ToyAttention(d), nn.LayerNorm(d)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(d, 4 * d), "c_proj": nn.Linear(4 * d, d)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class ToyGPT(nn.Module):
+    """nanoGPT's layout (`transformer.wte`, `.h`, `.ln_f`, `lm_head`); not a transformers model."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n_layer: int = 4) -> None:
+        super().__init__()
+        blocks = nn.ModuleList(ToyBlock(d) for _ in range(n_layer))
+        self.transformer = nn.ModuleDict(
+            {"wte": nn.Embedding(vocab, d), "h": blocks, "ln_f": nn.LayerNorm(d)}
+        )
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx)  # (batch, T, d)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # (batch, T, vocab)
+
+
+@torch.no_grad()
+def test_blocks_passed_by_hand_adapt_a_gpt_that_transformers_did_not_build():
+    torch.manual_seed(0)
+    gpt = ToyGPT().eval()
+    idx = torch.randint(0, 32, (2, 8))
+    base = gpt(idx)
+    with pytest.raises(ValueError, match="cannot find the language decoder blocks of ToyGPT"):
+        lora.inject_lora(gpt, lora.LoRAConfig())  # no transformers layout to find
+    config = lora.LoRAConfig(lora_r=2, lora_alpha=4.0)
+    names = lora.inject_lora(gpt, config, blocks=gpt.transformer.h[-2:], targets=("c_attn", "c_proj", "c_fc"))
+    leaves = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert (
+        names
+        == list(lora.lora_modules(gpt))
+        == [f"transformer.h.{i}.{leaf}" for i in (2, 3) for leaf in leaves]
+    )
+    trainable = {n for n, p in gpt.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.lora_{ab}.weight" for n in names for ab in "AB"}
+    assert torch.equal(gpt(idx), base)  # B = 0
+    randomize_b(gpt)
+    adapted = gpt(idx)
+    assert not torch.allclose(adapted, base)
+    with lora.adapters_disabled(gpt):
+        assert torch.equal(gpt(idx), base)
+    lora.merge_lora(gpt)
+    torch.testing.assert_close(gpt(idx), adapted, atol=1e-6, rtol=0)
+
+
+def test_a_block_that_is_not_part_of_the_model_is_refused_before_any_change():
+    gpt = ToyGPT()
+    with pytest.raises(ValueError, match=r"blocks \['ToyBlock'\] are not submodules of ToyGPT"):
+        lora.inject_lora(gpt, lora.LoRAConfig(), blocks=[ToyBlock(16)], targets=("c_fc",))
+    assert all(p.requires_grad for p in gpt.parameters())
+
+
+# --- settings ---
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
+        ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
+        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
+        ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
+    ],
+)
+def test_config_check_names_the_flag_and_the_value(setting, message):
+    lora.LoRAConfig().check()  # the command line's defaults pass
+    with pytest.raises(ValueError) as error:
+        lora.LoRAConfig(**setting).check()
+    assert str(error.value) == message
+
+
 # --- the disable switch (reference policy) ---
 
 
 def test_disabled_adapters_give_base_logits_and_restore_after():
     model = make_random_vlm()
     base = logits(model)
-    lora.inject_lora(model, last_k=3, r=4, alpha=8.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=3, lora_r=4, lora_alpha=8.0))
     randomize_b(model)
     adapted = logits(model)
     with lora.adapters_disabled(model):
@@ -267,26 +370,26 @@ def test_disable_without_adapters_raises():
         pass
 
 
-# --- adapter I/O in PEFT's format ---
+# --- adapter files in PEFT's format (model_io.py) ---
 
 
 def test_adapter_round_trips_exactly_into_a_fresh_model(tmp_path):
     model = adapted_vlm()
-    lora.save_adapter(model, tmp_path, base_model_name_or_path="tiny/random-vlm")
+    model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny/random-vlm")
     fresh = make_random_vlm()
-    names = lora.load_adapter(fresh, tmp_path)
+    names = model_io.load_adapter(fresh, tmp_path)
     assert sorted(names) == sorted(n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear))
     saved, loaded = lora.lora_state_dict(model), lora.lora_state_dict(fresh)
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert torch.equal(logits(fresh), logits(model))
     assert not any(p.requires_grad for n, p in fresh.named_parameters() if "lora_" not in n)
-    lora.load_adapter(fresh, tmp_path)  # into a model that already has the same LoRA config
+    model_io.load_adapter(fresh, tmp_path)  # into a model that already has the same LoRA config
     assert torch.equal(logits(fresh), logits(model))
 
 
 def test_adapter_keys_and_config_follow_peft(tmp_path):
-    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny/random-vlm")
+    model_io.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny/random-vlm")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     tensors = load_file(tmp_path / "adapter_model.safetensors")
     key = "base_model.model.model.language_model.layers.5.self_attn.q_proj"
@@ -313,7 +416,7 @@ def test_adapter_keys_and_config_follow_peft(tmp_path):
 
 
 def test_adapter_from_other_hidden_size_fails_naming_key_and_shapes(tmp_path):
-    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
+    model_io.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
     config = make_random_vlm().config
     config.text_config.hidden_size = 32
     other = type(make_random_vlm())(config).eval()
@@ -321,48 +424,57 @@ def test_adapter_from_other_hidden_size_fails_naming_key_and_shapes(tmp_path):
         r"shape mismatch for 'base_model\.model\.model\.language_model\.layers\.4\..*\(4, 64\).*\(4, 32\)"
     )
     with pytest.raises(ValueError, match=pattern):
-        lora.load_adapter(other, tmp_path)
+        model_io.load_adapter(other, tmp_path)
     assert not any(isinstance(m, lora.LoRALinear) for m in other.modules())  # failed load changes nothing
 
 
 def test_adapter_from_other_layers_fails(tmp_path):
-    lora.save_adapter(adapted_vlm(last_k=2), tmp_path, base_model_name_or_path="tiny")
+    model_io.save_adapter(adapted_vlm(last_k=2), tmp_path, base_model_name_or_path="tiny")
     with pytest.raises(ValueError, match=r"layers \[4, 5\] out of range.*4 blocks"):
-        lora.load_adapter(make_random_vlm(num_layers=4), tmp_path)
+        model_io.load_adapter(make_random_vlm(num_layers=4), tmp_path)
     three = make_random_vlm()
-    lora.inject_lora(three, last_k=3, r=4, alpha=8.0)
+    lora.inject_lora(three, lora.LoRAConfig(lora_last_k=3, lora_r=4, lora_alpha=8.0))
     with pytest.raises(ValueError, match=r"different config.*\[3, 4, 5\].*\[4, 5\]"):
-        lora.load_adapter(three, tmp_path)
+        model_io.load_adapter(three, tmp_path)
 
 
 def test_adapter_with_missing_or_unexpected_key_fails_naming_it(tmp_path):
-    lora.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
+    model_io.save_adapter(adapted_vlm(), tmp_path, base_model_name_or_path="tiny")
     path = tmp_path / "adapter_model.safetensors"
     tensors = load_file(path)
     dropped = "base_model.model.model.language_model.layers.5.mlp.down_proj.lora_B.weight"
     save_file({k: v for k, v in tensors.items() if k != dropped}, path)
     with pytest.raises(ValueError, match=f"missing 1 key.*{dropped}"):
-        lora.load_adapter(make_random_vlm(), tmp_path)
+        model_io.load_adapter(make_random_vlm(), tmp_path)
     extra = "base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight"
     save_file(tensors | {extra: torch.zeros(4, 32)}, path)
     with pytest.raises(ValueError, match=f"unexpected key.*{extra}"):
-        lora.load_adapter(make_random_vlm(), tmp_path)
+        model_io.load_adapter(make_random_vlm(), tmp_path)
 
 
 def test_peft_loads_our_adapter_and_we_load_peft_s_with_the_same_logits(tmp_path):
     peft = pytest.importorskip("peft")  # not a project dependency; runs only where peft is installed
     model = make_random_vlm()
-    lora.inject_lora(model, last_k=2, r=4, alpha=8.0, dropout=0.05)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0, lora_dropout=0.05))
     randomize_b(model)
-    lora.save_adapter(model, tmp_path / "ours", base_model_name_or_path="tiny")
+    model_io.save_adapter(model, tmp_path / "ours", base_model_name_or_path="tiny")
     peft_model = peft.PeftModel.from_pretrained(make_random_vlm(), tmp_path / "ours").eval()
     wrapped = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "lora_" not in n}
     assert len(wrapped) == 2 * len(TARGETS) and not any("visual" in n for n in wrapped)
     torch.testing.assert_close(logits(peft_model), logits(model), atol=1e-6, rtol=0)
     peft_model.save_pretrained(tmp_path / "peft")
     fresh = make_random_vlm()
-    lora.load_adapter(fresh, tmp_path / "peft")
+    model_io.load_adapter(fresh, tmp_path / "peft")
     torch.testing.assert_close(logits(fresh), logits(model), atol=1e-6, rtol=0)
 
 
 # --- module boundary ---
+
+
+def test_lora_py_imports_alone_from_an_empty_folder(tmp_path):
+    (tmp_path / "lora.py").write_text((Path(__file__).parents[1] / "lora.py").read_text())
+    code = "import pathlib, lora; print(pathlib.Path(lora.__file__).resolve().parent)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == str(tmp_path.resolve())

@@ -31,11 +31,11 @@ IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID = 5, 3, 4  # assets/tiny-qwen2.5-vl
 PATCHES, PATCH_DIM = 16, 3 * 2 * 14 * 14  # a 4x4-patch image: 16 patches, 4 tokens after the 2x2 merge
 
 
-def tiny_with_lora(base_dtype: torch.dtype, lora_dtype: torch.dtype | None) -> nn.Module:
+def tiny_with_lora(base_dtype: torch.dtype, lora_fp32: bool) -> nn.Module:
     """The shipped tiny VLM, LoRA r=8 on its last 4 blocks, A seeded, B ~ N(0, 0.01^2) from a seed."""
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=base_dtype)
     torch.manual_seed(0)
-    lora.inject_lora(model, last_k=4, r=8, alpha=16.0, dtype=lora_dtype)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0, lora_fp32=lora_fp32))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -66,9 +66,9 @@ def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def train(base_dtype: torch.dtype, lora_dtype: torch.dtype | None) -> dict:
+def train(base_dtype: torch.dtype, lora_fp32: bool) -> dict:
     """5 AdamW steps (no weight decay: an entry moves only if it had a gradient); before/after and state."""
-    model = tiny_with_lora(base_dtype, lora_dtype)
+    model = tiny_with_lora(base_dtype, lora_fp32)
     batch = image_batch()
     params = lora.lora_parameters(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -107,9 +107,9 @@ def updates(run: dict) -> torch.Tensor:
 def runs() -> dict[str, dict]:
     """The three set-ups, trained once for the whole module (about half a second each)."""
     return {
-        "fp32 base": train(torch.float32, torch.float32),
-        "bf16 base": train(torch.bfloat16, torch.float32),
-        "bf16 base, bf16 adapters": train(torch.bfloat16, None),
+        "fp32 base": train(torch.float32, lora_fp32=True),
+        "bf16 base": train(torch.bfloat16, lora_fp32=True),
+        "bf16 base, bf16 adapters": train(torch.bfloat16, lora_fp32=False),
     }
 
 
@@ -201,7 +201,7 @@ def test_adapters_can_be_kept_in_the_base_dtype_to_save_memory():
     layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0, dtype=None)
     assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    lora.inject_lora(model, last_k=1, r=2, alpha=4.0, dtype=None)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0, lora_fp32=False))
     assert {p.dtype for p in lora.lora_parameters(model)} == {torch.bfloat16}
 
 
@@ -210,23 +210,23 @@ def test_adapters_can_be_kept_in_the_base_dtype_to_save_memory():
 
 def test_fp32_adapters_of_a_bf16_model_save_as_fp32_and_reload_exactly(runs, tmp_path):
     model = runs["bf16 base"]["model"]
-    lora.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
-    saved = load_file(tmp_path / lora.ADAPTER_WEIGHTS)
+    model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
+    saved = load_file(tmp_path / model_io.ADAPTER_WEIGHTS)
     assert {t.dtype for t in saved.values()} == {torch.float32}  # as PEFT saves its fp32 adapters
     fresh, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    lora.load_adapter(fresh, tmp_path)
+    model_io.load_adapter(fresh, tmp_path)
     ours, theirs = lora.lora_state_dict(model), lora.lora_state_dict(fresh)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     batch = image_batch()
     with torch.no_grad():
         assert torch.equal(fresh(**batch).logits, model(**batch).logits)
     small, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    lora.load_adapter(small, tmp_path, dtype=None)  # the memory-saving option rounds on load
+    model_io.load_adapter(small, tmp_path, lora_fp32=False)  # the memory-saving option rounds on load
     assert {p.dtype for p in lora.lora_parameters(small)} == {torch.bfloat16}
 
 
 def test_merging_fp32_adapters_into_a_bf16_base_keeps_its_dtype_and_the_adapted_logits():
-    model = tiny_with_lora(torch.bfloat16, torch.float32)  # its own: a bf16 merge round trip rounds the base
+    model = tiny_with_lora(torch.bfloat16, lora_fp32=True)  # its own: a bf16 merge round trip rounds the base
     batch = image_batch()
     with torch.no_grad():
         adapted = model(**batch).logits.float()
@@ -242,8 +242,8 @@ def test_merging_fp32_adapters_into_a_bf16_base_keeps_its_dtype_and_the_adapted_
 
 def test_peft_reads_the_fp32_adapter_of_a_bf16_model_with_logits_equal_up_to_bf16_rounding(tmp_path):
     peft = pytest.importorskip("peft")  # not a project dependency; runs only where peft is installed
-    model = tiny_with_lora(torch.bfloat16, torch.float32)
-    lora.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
+    model = tiny_with_lora(torch.bfloat16, lora_fp32=True)
+    model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
     base, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
     peft_model = peft.PeftModel.from_pretrained(base, tmp_path).eval()
     assert {p.dtype for n, p in peft_model.named_parameters() if "lora_" in n} == {torch.float32}

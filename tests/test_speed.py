@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:
     """A random model with LoRA in its last K blocks and random (non-zero) B, so the adapters matter."""
     model = make_random_vlm() if kind == "vlm" else make_random_causal_lm()
-    lora.inject_lora(model, last_k=K, r=4, alpha=8.0, dropout=dropout)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=K, lora_r=4, lora_alpha=8.0, lora_dropout=dropout))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora.lora_parameters(model):
@@ -161,7 +161,9 @@ def test_rows_with_different_images_are_each_encoded_and_match_the_full_forward(
 
 def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
     model = make_random_causal_lm()
-    lora.inject_lora(model, last_k=3, r=2, alpha=2.0)  # LoRA in blocks 1-3: block 1 is in a K = 2 trunk
+    lora.inject_lora(
+        model, lora.LoRAConfig(lora_last_k=3, lora_r=2, lora_alpha=2.0)
+    )  # LoRA in blocks 1-3: block 1 is in a K = 2 trunk
     inputs, ids = text_inputs(group_size=3), hand_completions()
     _, blocks = lora.find_decoder_blocks(model)
     with pytest.raises(ValueError, match="trainable"):

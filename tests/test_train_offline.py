@@ -188,7 +188,7 @@ def test_old_logprobs_are_frozen_across_epochs_and_ratio_is_one_at_the_first_ste
     model, tokenizer, image_processor = model_io.load_model(
         model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
     )
-    lora.inject_lora(model, last_k=2, r=4, alpha=8.0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
     train_path, _ = offline.write_demo(tmp_path, 4, seed=1)
     batches = offline.make_batches(
         offline.read_scored(str(train_path)), tokenizer, batch_size=2, adv_clip=None, max_completion_length=64
@@ -246,9 +246,9 @@ def test_run_keeps_best_checkpoint_by_reward_last_checkpoints_and_final_adapter(
     expected = best_epoch("reward", [r["val/reward"] for r in records[1:]])
     assert model_io.load_checkpoint(out / "best")["epoch"] == expected
     assert [r["epoch"] for r in records if r.get("best")][-1] == expected
-    assert (out / "best" / lora.ADAPTER_WEIGHTS).is_file() and not (out / "best.tmp").exists()
+    assert (out / "best" / model_io.ADAPTER_WEIGHTS).is_file() and not (out / "best.tmp").exists()
     assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000003", "checkpoint-000004"]
-    assert (out / "adapter" / lora.ADAPTER_CONFIG).is_file()
+    assert (out / "adapter" / model_io.ADAPTER_CONFIG).is_file()
 
 
 def test_demo_flag_runs_and_keeps_best_by_kl(tmp_path):
