@@ -12,6 +12,7 @@ from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, PATCH_DIM, VISION_END_ID, VIS
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo
+import speedups
 
 IMAGE = [VISION_START_ID] + [IMAGE_PAD_ID] * 4 + [VISION_END_ID]  # grid (1, 4, 4): 16 patches -> 4 tokens
 GRID = [1, 4, 4]
@@ -85,7 +86,7 @@ def random_mask(N, T, seed=0):
     return torch.arange(T)[None] < lengths[:, None]
 
 
-# --- selective_log_softmax ----------------------------------------------------------------------------------
+# --- speedups.selective_log_softmax: the row-by-row log-probs against log_softmax + gather ------------------
 
 
 def test_selective_log_softmax_matches_log_softmax_gather_fp32():
@@ -93,7 +94,7 @@ def test_selective_log_softmax_matches_log_softmax_gather_fp32():
     logits = (5 * torch.randn(3, 4, 50)).requires_grad_()
     index = torch.randint(0, 50, (3, 4))
     upstream = torch.randn(3, 4)
-    ours = grpo.selective_log_softmax(logits, index)
+    ours = speedups.selective_log_softmax(logits, index)
     (ours * upstream).sum().backward()
     grad_ours, logits.grad = logits.grad, None
     ref = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
@@ -107,7 +108,7 @@ def test_selective_log_softmax_bf16_is_fp32_accurate_on_the_rounded_logits():
     logits32 = 5 * torch.randn(3, 4, 1000)
     logits = logits32.bfloat16().requires_grad_()
     index = torch.randint(0, 1000, (3, 4))
-    ours = grpo.selective_log_softmax(logits, index)
+    ours = speedups.selective_log_softmax(logits, index)
     assert ours.dtype == torch.float32
     # Tight against an fp32 log-softmax of the same (rounded) logits, loose against the unrounded ones.
     ref = torch.log_softmax(logits.float(), -1).gather(-1, index[..., None]).squeeze(-1)
@@ -128,13 +129,13 @@ def test_selective_log_softmax_gradcheck_fp64_and_minus_inf_logits():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(grpo.selective_log_softmax, (logits, index))
+    assert torch.autograd.gradcheck(speedups.selective_log_softmax, (logits, index))
     # -inf at a non-chosen token (probability 0) must give finite values and finite gradients.
     masked = logits.detach().clone()
     masked[..., 0] = -math.inf
     masked.requires_grad_()
     index = torch.randint(1, 7, (2, 3))
-    out = grpo.selective_log_softmax(masked, index)
+    out = speedups.selective_log_softmax(masked, index)
     out.sum().backward()
     ref = torch.log_softmax(masked.detach(), -1).gather(-1, index[..., None]).squeeze(-1)
     torch.testing.assert_close(out, ref)
@@ -147,7 +148,7 @@ def test_selective_log_softmax_divides_by_the_temperature_in_fp32(dtype):
     logits = (5 * torch.randn(3, 4, 1000)).to(dtype).requires_grad_()
     index = torch.randint(0, 1000, (3, 4))
     upstream = torch.randn(3, 4)
-    ours = grpo.selective_log_softmax(logits, index, 0.7)
+    ours = speedups.selective_log_softmax(logits, index, 0.7)
     (ours * upstream).sum().backward()
     # Reference: the same (rounded) logits, upcast first, then divided: no bf16 rounding of logits / 0.7.
     logits_ref = logits.detach().float().requires_grad_()
@@ -165,7 +166,7 @@ def test_selective_log_softmax_with_temperature_gradcheck_fp64():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(lambda x: grpo.selective_log_softmax(x, index, 0.6), (logits,))
+    assert torch.autograd.gradcheck(lambda x: speedups.selective_log_softmax(x, index, 0.6), (logits,))
 
 
 def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
@@ -179,9 +180,29 @@ def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        grpo.selective_log_softmax(logits, index)
+        speedups.selective_log_softmax(logits, index)
     logits_bytes = logits.numel() * logits.element_size()
     assert sum(saved_bytes) <= 0.25 * logits_bytes  # only the (N, T) logsumexp and the index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_by_row_logprobs_entropy_and_gradient_equal_the_reference(dtype):
+    torch.manual_seed(0)
+    logits = (5 * torch.randn(3, 4, 1000)).to(dtype)
+    index = torch.randint(0, 1000, (3, 4))
+    upstream = torch.randn(3, 4)
+    results = []
+    for logprobs in (grpo.logprobs_from_logits, speedups.logprobs_row_by_row):
+        leaf = logits.clone().requires_grad_()
+        logp, entropy = logprobs(leaf, index, temperature=0.7, return_entropy=True)
+        (logp * upstream).sum().backward()
+        results.append((logp, entropy, leaf.grad))
+    (ref, ref_entropy, ref_grad), (ours, entropy, grad) = results
+    assert ref.dtype == ours.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient itself is stored in bf16
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=tolerance, rtol=tolerance)
 
 
 # --- completion_mask ----------------------------------------------------------------------------------------
