@@ -116,7 +116,8 @@ def normalized_reward_sum(
     z = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G, K)
     constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B, 1, K) exactly 0 there, never NaN
     z = torch.where(constant, 0.0, z)
-    return (z.reshape(components.shape) * weights.to(z.dtype)).sum(dim=1)  # (N,)
+    # weights.to(z): z's device as well as its dtype (weights made on the CPU meet components on a GPU).
+    return (z.reshape(components.shape) * weights.to(z)).sum(dim=1)  # (N,)
 
 
 # --- the loss -----------------------------------------------------------------------------------------------

@@ -172,6 +172,13 @@ def test_normalize_then_sum_z_scores_each_reward_within_its_group_before_weighti
     torch.testing.assert_close(summed, torch.tensor([z - 0.5 * z, -z + 0.5 * z, 0.5 * z, -0.5 * z]))
 
 
+def test_normalized_reward_sum_moves_cpu_weights_to_the_components_device():
+    # "meta" stands in for a GPU: its tensors refuse to meet CPU tensors, as CUDA ones do.
+    components = torch.zeros(4, 2, device="meta")
+    summed = grpo.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2)
+    assert summed.device == components.device and summed.shape == (4,)
+
+
 # --- end to end ---------------------------------------------------------------------------------------------
 
 VARIANT_FLAGS = {
