@@ -487,13 +487,29 @@ def completion_logprobs(
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
 # defaults (top_k=50; Qwen2.5-VL-Instruct ships a repetition penalty). These switch every other processor off.
 NO_OTHER_PROCESSORS = dict(
-    top_k=None, min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None, guidance_scale=None, min_length=0,
-    min_new_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
-    exponential_decay_length_penalty=None, begin_suppress_tokens=None, watermarking_config=None,
-    remove_invalid_values=False, num_beams=1,
-)  # fmt: skip
+    top_k=None,
+    min_p=None,
+    top_h=None,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0,
+    bad_words_ids=None,
+    sequence_bias=None,
+    guidance_scale=None,
+    min_length=0,
+    min_new_tokens=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    exponential_decay_length_penalty=None,
+    begin_suppress_tokens=None,
+    watermarking_config=None,
+    remove_invalid_values=False,
+    num_beams=1,
+)
 
 
 def check_sampling(
@@ -526,13 +542,21 @@ def sample_completions(
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     sample = temperature > 0
     out = model.generate(
-        **inputs, **NO_OTHER_PROCESSORS, max_new_tokens=max_new_tokens, do_sample=sample,
-        temperature=temperature if sample else None, top_p=top_p if sample else None,
-        suppress_tokens=list(suppress_token_ids) or None, num_return_sequences=num_return_sequences,
+        **inputs,
+        **NO_OTHER_PROCESSORS,
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        suppress_tokens=list(suppress_token_ids) or None,
+        num_return_sequences=num_return_sequences,
         # Given explicitly: the checkpoint's own list would otherwise be used, and completion_mask must agree.
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs,
-    )  # fmt: skip
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=return_logprobs,
+    )
     completion_ids = out.sequences[:, inputs["input_ids"].shape[1] :]  # (N, T) generate returns prompt + new
     if not return_logprobs:
         return completion_ids, None
