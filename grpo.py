@@ -16,9 +16,11 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
     k3_it    = exp(d_it) - d_it - 1, d = ref_logp - logp   >= 0, unbiased for KL(pi || ref)
     loss     = aggregate(l, m)                            see `aggregate` for the four ways
 
-One step: `sample_completions` (no grad) -> `completion_mask` -> rewards (rewards.py) -> `group_advantages`
--> `completion_logprobs` (with grad for logp; without for old_logp and, adapters off, ref_logp) -> `grpo_loss`
--> backward. speedups.py re-arranges the sampling and the log-prob passes exactly.
+One step: `sample_completions` (no grad) -> `completion_mask` -> rewards (rewards.py) -> `advantages`
+(`group_advantages`, settings in `AdvantageConfig`) -> `completion_logprobs` (with grad for logp; without for
+old_logp and, adapters off, ref_logp) -> `grpo_loss` (settings in `LossConfig`) -> backward. speedups.py
+re-arranges the sampling (the same tokens) and the log-prob passes (equal to rounding) to use less time and
+memory.
 
 Choices, where the literature differs:
 - Advantage scale: the group's std (DeepSeekMath; unbiased, G - 1, as TRL), the batch's, or none (Dr. GRPO:
@@ -43,20 +45,54 @@ Choices, where the literature differs:
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-ADVANTAGE_SCALES = ("group", "batch", "none")
-ADVANTAGE_BASELINES = ("group", "rloo", "batch")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+AdvantageScale = Literal["group", "batch", "none"]
+AdvantageBaseline = Literal["group", "rloo", "batch"]
+LOSS_TYPES = get_args(LossType)
+IMPORTANCE_SAMPLING_LEVELS = get_args(ImportanceSamplingLevel)
+ADVANTAGE_SCALES = get_args(AdvantageScale)
+ADVANTAGE_BASELINES = get_args(AdvantageBaseline)
 
 # The keys a prompt batch may carry. Anything else is an error rather than silently dropped: the recompute
 # must see exactly what generation saw.
 INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
+def _check_ranges(config: object, ranges: list[tuple[str, bool, str]]) -> None:
+    """Raise ValueError("--flag: message, got value") for the first (flag, ok, message) that is not ok; the
+    value is the config's field of the flag's name (--clip-eps-low: clip_eps_low)."""
+    for flag, ok, message in ranges:
+        if not ok:
+            raise ValueError(f"{flag}: {message}, got {getattr(config, flag[2:].replace('-', '_'))}")
+
+
 # --- advantages ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages. Field names are train.py's flags."""
+
+    adv_scale: AdvantageScale = "group"
+    """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
+    adv_baseline: AdvantageBaseline = "group"
+    """What a reward is compared with: its group's mean (GRPO), the mean of the other G - 1 (RLOO), or the
+    batch's mean (REINFORCE++, with --adv-scale batch)."""
+    adv_clip: float | None = None
+    """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """With several rewards: advantages of the weighted sum (default), or each reward normalised within its
+    group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no --gate)."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag of a setting out of range."""
+        _check_ranges(self, [("--adv-clip", self.adv_clip is None or self.adv_clip > 0, "must be > 0")])
 
 
 def _zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -115,10 +151,99 @@ def normalized_reward_sum(
     z = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G, K)
     constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B, 1, K) exactly 0 there, never NaN
     z = torch.where(constant, 0.0, z)
-    return (z.reshape(components.shape) * weights.to(z.dtype)).sum(dim=1)  # (N,)
+    # weights.to(z): z's device as well as its dtype (weights made on the CPU meet components on a GPU).
+    return (z.reshape(components.shape) * weights.to(z)).sum(dim=1)  # (N,)
+
+
+def advantages(
+    rewards: torch.Tensor,
+    components: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    group_size: int,
+    config: AdvantageConfig,
+) -> torch.Tensor:
+    """Advantages (N,) as `config` says: `group_advantages` of the weighted total rewards (N,); or, under
+    normalize_then_sum (GDPO), of `normalized_reward_sum` of components (N, K) with weights (K,), centred
+    and scaled over the batch. NOTE: GDPO ignores adv_scale and adv_baseline (its rewards are already
+    normalised in their groups); adv_clip applies to both."""
+    if config.multi_objective_aggregation == "sum_then_normalize":
+        return group_advantages(
+            rewards, group_size, scale=config.adv_scale, clip=config.adv_clip, baseline=config.adv_baseline
+        )
+    if components is None or weights is None:
+        raise ValueError("normalize_then_sum needs components (N, K) and weights (K,)")
+    summed = normalized_reward_sum(components, weights, group_size)  # (N,)
+    return group_advantages(summed, group_size, scale="batch", clip=config.adv_clip, baseline="batch")
 
 
 # --- the loss -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossConfig:
+    """The objective's settings. Field names are train.py's flags (--loss-type, --clip-eps-low, ...)."""
+
+    loss_type: LossType = "dapo"
+    """The objective and its aggregation over tokens (grpo.policy_term, grpo.aggregate): grpo, bnpo, dr_grpo
+    and dapo are PPO-clip normalised per sequence, per process's tokens, by a constant, by the batch's tokens;
+    cispo (MiniMax-M1) weights logp by the truncated, detached ratio (bound 1 + --clip-eps-high); sapo (Qwen)
+    replaces the clip by a smooth gate (--sapo-temperature-pos/neg)."""
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """The importance ratio per token, or GSPO's per sequence (exp of the mean token log-ratio, clipped as a
+    whole; GSPO uses far smaller clip epsilons, e.g. 3e-4 / 4e-4)."""
+    beta: float = 0.04
+    """KL penalty weight (k3 estimator against the adapter-free reference). 0 skips the reference pass."""
+    clip_eps_low: float = 0.2
+    """PPO clip: ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: float = 0.28
+    """PPO clip: ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when > clip_eps_low)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): cap the ratio at delta for negative advantages too (e.g. 4.0)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO's gate temperature for positive advantages."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO's gate temperature for negative advantages (steeper: a tighter trust region)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on the tokens whose entropy is in the top this share of the batch (0.2:
+    the "80/20" forking tokens); 1.0 trains on every token."""
+    use_bias_correction_kl: bool = False
+    """Weight the k3 KL term by the importance ratio (DeepSeek-V3.2; TRL's default is on, ours off)."""
+    kl_target_low: float | None = None
+    """Adaptive KL: after each step, divide beta by --kl-adapt-factor when the measured KL is below this.
+    Off unless both --kl-target-low and --kl-target-high are given."""
+    kl_target_high: float | None = None
+    """Adaptive KL: multiply beta by --kl-adapt-factor when the measured KL is above this."""
+    kl_adapt_factor: float = 1.5
+    """Adaptive KL: the factor beta is multiplied or divided by."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag of the first setting out of range."""
+        delta_ok = self.delta is None or self.delta > 1 + self.clip_eps_high
+        ranges = [
+            ("--beta", self.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
+            ("--clip-eps-low", 0 <= self.clip_eps_low < 1, "must be in [0, 1)"),
+            ("--clip-eps-high", self.clip_eps_high >= 0, "must be >= 0"),
+            ("--kl-adapt-factor", self.kl_adapt_factor > 1, "must be > 1"),
+            ("--delta", delta_ok, "must be > 1 + --clip-eps-high"),
+            ("--sapo-temperature-pos", self.sapo_temperature_pos > 0, "must be > 0"),
+            ("--sapo-temperature-neg", self.sapo_temperature_neg > 0, "must be > 0"),
+            ("--top-entropy-quantile", 0 < self.top_entropy_quantile <= 1, "must be in (0, 1]"),
+        ]
+        _check_ranges(self, ranges)
+        low, high = self.kl_target_low, self.kl_target_high
+        if (low is None) != (high is None):
+            raise ValueError("--kl-target-low/--kl-target-high: give both or neither")
+        if low is not None and not 0 <= low < high:
+            raise ValueError("--kl-target-low: must be >= 0 and < --kl-target-high")
+
+
+@dataclass
+class BatchTotals:
+    """The whole batch's counts a loss is normalised by, when the rows are split (micro-batches, ranks)."""
+
+    num_rows: int
+    num_tokens: float | torch.Tensor
+    max_completion_length: int | None = None  # dr_grpo's constant (the sampler's max_new_tokens)
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -131,13 +256,7 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def aggregate(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    loss_type: str,
-    max_completion_length: int | None = None,
-    num_rows: int | None = None,
-    num_tokens: float | torch.Tensor | None = None,
+    per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, totals: BatchTotals | None = None
 ) -> torch.Tensor:
     """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it.
 
@@ -145,36 +264,29 @@ def aggregate(
         "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
         "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
         "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
-    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do). A caller that splits
-    the batch (micro-batches, ranks) passes the whole batch's num_rows and num_tokens: the parts then sum.
+    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do). num_rows and num_tokens
+    are this batch's own unless `totals` gives the whole batch's, for a caller that splits it (micro-batches,
+    ranks): the parts then sum. dr_grpo needs totals.max_completion_length.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     mask = mask.bool()
     per_token = torch.where(mask, per_token, 0.0)  # (N, T) `where`, not a product: inf * 0 would be NaN
-    num_rows = mask.shape[0] if num_rows is None else num_rows
+    num_rows = mask.shape[0] if totals is None else totals.num_rows
     if loss_type in ("grpo", "sapo"):
         lengths = mask.sum(dim=1).clamp(min=1)  # (N,) clamp: only T == 0 gives a zero-length row
         return (per_token.sum(dim=1) / lengths).sum() / num_rows
     if loss_type == "dr_grpo":
+        max_completion_length = None if totals is None else totals.max_completion_length
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (the sampler's max_new_tokens)")
         return per_token.sum() / (num_rows * max_completion_length)
-    num_tokens = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    num_tokens = mask.sum().clamp(min=1) if totals is None else totals.num_tokens
     return per_token.sum() / num_tokens
 
 
 def policy_term(
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    logp: torch.Tensor,
-    *,
-    loss_type: str,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
+    ratio: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, config: LossConfig
 ) -> torch.Tensor:
     """The per-token policy loss of each objective, from the importance ratio r (N, T) or (N, 1), adv (N, 1)
     and logp (N, T); minimised. One screen to diff them (gradients at r = 1 are all -A grad logp):
@@ -184,18 +296,19 @@ def policy_term(
         CISPO (MiniMax-M1, 2025)      -sg(min(r, 1 + eps_high)) A logp                     clipped still learn
         SAPO (Qwen, 2025)             -sigmoid(tau (r - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg
     """
-    if loss_type == "cispo":
+    if config.loss_type == "cispo":
         # REINFORCE weighted by the truncated, detached ratio: a clipped token keeps its gradient (scaled),
         # where PPO's clip drops it. NOTE: TRL reads epsilon_high as the bound itself (5.0 recommended): ours
         # is 1 + clip_eps_high, so TRL's 5.0 is clip_eps_high = 4.0 here.
-        return -torch.clamp(ratio, max=1 + clip_eps_high).detach() * adv * logp
-    if loss_type == "sapo":
+        return -torch.clamp(ratio, max=1 + config.clip_eps_high).detach() * adv * logp
+    if config.loss_type == "sapo":
         # A smooth gate in place of the hard clip; steeper (smaller trust region) for negative advantages.
-        tau = torch.where(adv > 0, adv.new_tensor(sapo_temperature_pos), adv.new_tensor(sapo_temperature_neg))
+        tau_pos = adv.new_tensor(config.sapo_temperature_pos)
+        tau = torch.where(adv > 0, tau_pos, adv.new_tensor(config.sapo_temperature_neg))
         return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
-    clipped_ratio = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high)
-    if delta is not None:  # NOTE: for A < 0 the plain min keeps r unbounded above; delta caps it
-        ratio = torch.clamp(ratio, max=delta)
+    clipped_ratio = torch.clamp(ratio, 1 - config.clip_eps_low, 1 + config.clip_eps_high)
+    if config.delta is not None:  # NOTE: for A < 0 the plain min keeps r unbounded above; delta caps it
+        ratio = torch.clamp(ratio, max=config.delta)
     # The pessimistic bound: the clip only takes effect when it lowers the objective (PPO).
     return -torch.minimum(ratio * adv, clipped_ratio * adv)
 
@@ -217,59 +330,46 @@ def grpo_loss(
     ref_logp: torch.Tensor | None,
     adv: torch.Tensor,
     mask: torch.Tensor,
+    config: LossConfig,
     *,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    beta: float,
-    loss_type: str,
-    max_completion_length: int | None = None,
-    num_rows: int | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    kl_bias_correction: bool = False,
     token_mask: torch.Tensor | None = None,
+    totals: BatchTotals | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
     ratio = exp(logp - old_logp) per token, or per row exp(mean_t(logp - old_logp)) (GSPO, Zheng et al.
-    2025); `policy_term` per loss_type, reduced by `aggregate`; token_mask (N, T) limits the policy term
-    (`high_entropy_mask`); kl_bias_correction weights k3 by the ratio (DeepSeek-V3.2).
+    2025); `policy_term` per loss_type, reduced by `aggregate` (over `totals`, the whole batch's counts, when
+    these rows are a part of it); token_mask (N, T) limits the policy term (`high_entropy_mask`);
+    use_bias_correction_kl weights k3 by the ratio (DeepSeek-V3.2).
     Stats (token means): kl, ratio_mean, clip_frac_low / clip_frac_high (ratio past the clip: adv < 0 / > 0).
     """
-    if beta > 0 and ref_logp is None:
+    if config.beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+    if config.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
     mask = mask.bool()
     adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
     # Mask BEFORE exp: a huge masked log-ratio gives exp = inf, and where's zero gradient times inf is NaN.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, T)
-    if importance_sampling_level == "sequence":  # one ratio per row, length-normalised (GSPO)
+    if config.importance_sampling_level == "sequence":  # one ratio per row, length-normalised (GSPO)
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
     ratio = torch.exp(log_ratio)  # (N, T) or (N, 1)
-    clip = dict(clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, delta=delta)
-    sapo = dict(sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg)
-    per_token = policy_term(ratio, adv, logp, loss_type=loss_type, **clip, **sapo)  # (N, T) or (N, 1)
-    per_token = per_token.expand(mask.shape)  # (N, T)
+    per_token = policy_term(ratio, adv, logp, config).expand(mask.shape)  # (N, T) from (N, T) or (N, 1)
     if token_mask is not None:
         per_token = torch.where(token_mask, per_token, 0.0)
     kl = None
     if ref_logp is not None:
         # Same masking-before-exp reason; both sides 0 gives k3 = 0 with zero gradient.
         kl = kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))  # (N, T)
-        if kl_bias_correction:
+        if config.use_bias_correction_kl:
             kl = kl * ratio
-        if beta > 0:
-            per_token = per_token + beta * kl
-    counts = dict(max_completion_length=max_completion_length, num_rows=num_rows, num_tokens=num_tokens)
-    loss = aggregate(per_token, mask, loss_type=loss_type, **counts)
+        if config.beta > 0:
+            per_token = per_token + config.beta * kl
+    loss = aggregate(per_token, mask, config.loss_type, totals)
     with torch.no_grad():
         ratio = ratio.expand(mask.shape)  # (N, T)
         values = {
-            "clip_frac_low": ((ratio < 1 - clip_eps_low) & (adv < 0)).float(),
-            "clip_frac_high": ((ratio > 1 + clip_eps_high) & (adv > 0)).float(),
+            "clip_frac_low": ((ratio < 1 - config.clip_eps_low) & (adv < 0)).float(),
+            "clip_frac_high": ((ratio > 1 + config.clip_eps_high) & (adv > 0)).float(),
             "ratio_mean": ratio,
             **({"kl": kl} if kl is not None else {}),
         }
@@ -304,64 +404,23 @@ def completion_mask(
 # --- log-probabilities --------------------------------------------------------------------------------------
 
 
-def _upcast(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature in at least fp32 (a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
-    the ratio); no copy when there is nothing to do (fp32 logits, temperature 1)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits if temperature == 1 else logits / temperature
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits / temperature)[index], one row at a time both ways. A hand-written backward, since
-    autograd through a row loop would keep every row's fp32 upcast alive; this saves an (N, T) logsumexp."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
-        lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
-        picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
-        ctx.save_for_backward(logits, index, lse)
-        ctx.temperature = temperature
-        return picked - lse
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, index, lse = ctx.saved_tensors
-        scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
-        grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
-        for i in range(logits.shape[0]):
-            # d logp / d z = onehot(index) - softmax(z) for z = logits / temperature, times the incoming grad.
-            z = _upcast(logits[i], ctx.temperature)  # (T, V); may be logits[i] itself: no in-place op on it
-            row = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
-            row.scatter_add_(-1, index[i, :, None], scale[i, :, None])
-            grad_logits[i] = row
-        return grad_logits, None, None
-
-
-def selective_log_softmax(
-    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
-    in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _SelectiveLogSoftmax.apply(logits, index, float(temperature))
-
-
 @torch.no_grad()
 def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy (N, T) of softmax(logits / temperature), row by row, without grad (a metric)."""
+    """Entropy (N, T) of softmax(logits / temperature) in fp32, without grad (a metric)."""
     # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
-    rows = [torch.special.entr(torch.softmax(_upcast(row, temperature), dim=-1)).sum(-1) for row in logits]
-    return torch.stack(rows)
+    return torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(dim=-1)
 
 
 def logprobs_from_logits(
     logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp [and entropy] (N, T) of the tokens from shifted logits (N, T, V); temperature 0 counts as 1."""
+    """logp [and entropy] (N, T) of the tokens from shifted logits (N, T, V); temperature 0 counts as 1.
+    The reference: it holds (N, T, V) fp32 copies (speedups.py's row-by-row version holds one row's)."""
     temperature = temperature if temperature > 0 else 1.0
-    logp = selective_log_softmax(logits, completion_ids, temperature)  # (N, T)
+    # fp32, and divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
+    # the ratio.
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
+    logp = logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)  # (N, T)
     return logp, (_entropy(logits, temperature) if return_entropy else None)
 
 
@@ -428,13 +487,29 @@ def completion_logprobs(
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
 # defaults (top_k=50; Qwen2.5-VL-Instruct ships a repetition penalty). These switch every other processor off.
 NO_OTHER_PROCESSORS = dict(
-    top_k=None, min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None, guidance_scale=None, min_length=0,
-    min_new_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
-    exponential_decay_length_penalty=None, begin_suppress_tokens=None, watermarking_config=None,
-    remove_invalid_values=False, num_beams=1,
-)  # fmt: skip
+    top_k=None,
+    min_p=None,
+    top_h=None,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0,
+    bad_words_ids=None,
+    sequence_bias=None,
+    guidance_scale=None,
+    min_length=0,
+    min_new_tokens=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    exponential_decay_length_penalty=None,
+    begin_suppress_tokens=None,
+    watermarking_config=None,
+    remove_invalid_values=False,
+    num_beams=1,
+)
 
 
 def check_sampling(
@@ -467,13 +542,21 @@ def sample_completions(
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     sample = temperature > 0
     out = model.generate(
-        **inputs, **NO_OTHER_PROCESSORS, max_new_tokens=max_new_tokens, do_sample=sample,
-        temperature=temperature if sample else None, top_p=top_p if sample else None,
-        suppress_tokens=list(suppress_token_ids) or None, num_return_sequences=num_return_sequences,
+        **inputs,
+        **NO_OTHER_PROCESSORS,
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        temperature=temperature if sample else None,
+        top_p=top_p if sample else None,
+        suppress_tokens=list(suppress_token_ids) or None,
+        num_return_sequences=num_return_sequences,
         # Given explicitly: the checkpoint's own list would otherwise be used, and completion_mask must agree.
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        use_cache=True, return_dict_in_generate=True, output_logits=return_logprobs,
-    )  # fmt: skip
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+        return_dict_in_generate=True,
+        output_logits=return_logprobs,
+    )
     completion_ids = out.sequences[:, inputs["input_ids"].shape[1] :]  # (N, T) generate returns prompt + new
     if not return_logprobs:
         return completion_ids, None
@@ -518,21 +601,23 @@ def rollout_metrics(
 # --- the KL weight: adaptive beta ---------------------------------------------------------------------------
 
 
-def adapt_beta(
-    beta: float, kl: float, *, kl_target_low: float, kl_target_high: float, factor: float
-) -> float:
+def adapt_beta(beta: float, kl: float, config: LossConfig) -> float:
     """Keep the measured KL inside [kl_target_low, kl_target_high] by scaling beta after each step.
 
     A band controller in the spirit of PPO's adaptive KL penalty (Schulman et al. 2017, section 4): KL above
-    the band multiplies beta by `factor`, KL below divides it, inside the band beta stays. NOTE: beta = 0
-    stays 0 (no reference pass at all); a non-finite KL leaves beta unchanged.
+    the band multiplies beta by `kl_adapt_factor`, KL below divides it, inside the band beta stays. NOTE:
+    beta = 0 stays 0 (no reference pass at all); a non-finite KL, or no band (both targets None), leaves beta
+    unchanged.
     """
-    if not kl_target_low < kl_target_high or factor <= 1.0:
-        raise ValueError("need kl_target_low < kl_target_high and factor > 1")
+    low, high, factor = config.kl_target_low, config.kl_target_high, config.kl_adapt_factor
+    if low is None and high is None:
+        return beta
+    if low is None or high is None or not low < high or factor <= 1.0:
+        raise ValueError("need kl_target_low < kl_target_high and kl_adapt_factor > 1")
     if not math.isfinite(kl):
         return beta
-    if kl > kl_target_high:
+    if kl > high:
         return beta * factor
-    if kl < kl_target_low:
+    if kl < low:
         return beta / factor
     return beta

@@ -1,8 +1,9 @@
-"""Exact speed-ups of grpo.py: the same tokens, log-probs and gradients, computed with less work.
+"""Speed-ups of grpo.py: the same tokens, and log-probs and gradients equal to rounding, with less work.
 
-Each section re-arranges one grpo.py function and names it; tests/test_speed.py is the proof that the
-numbers agree (tokens exactly, log-probs and gradients to fp32 rounding). train.py switches each one off with
-a flag; `--no-shared-prefill --no-trunk-reuse` (no micro-batches) is the plain path that grpo.py spells out.
+Each section re-arranges one grpo.py function and names it; tests compare each with the grpo.py function it
+re-arranges (tokens identical, log-probs and gradients to fp32 rounding). A run chooses its speed-ups once
+(`choose`, from `SpeedConfig`: the flags) and the training step calls `sample`, `row_chunks` and
+`chunk_logprobs` on every path; `--no-shared-prefill --no-trunk-reuse` is the plain path of grpo.py.
 
 1. Shared prefill (re-arranges `grpo.sample_completions`). generate(num_return_sequences=G) copies every
    prompt G times before its first forward, so the prompt (all L blocks over P tokens) is computed G times.
@@ -15,8 +16,11 @@ a flag; `--no-shared-prefill --no-trunk-reuse` (no micro-batches) is the plain p
    activations, one token at a time: `sample_shared_prefill(record_block=...)` records them and
    `trunk_from_recording` turns the recording into the trunk, so no trunk forward is left at all.
 3. Micro-batches (re-arranges the loss's backward). `split_rows` cuts the N rows, and their images, into
-   chunks; `grpo.aggregate` takes the whole batch's num_rows / num_tokens, so the summed gradient is exact.
-Plus the wiring train.py uses (`parts_for`, `decoder_parts`, `record_block`, `make_chunks`), with keywords.
+   chunks; `grpo.aggregate` takes the whole batch's totals, so the chunks' gradients sum to the whole one.
+4. Log-probs row by row (re-arranges `grpo.logprobs_from_logits`). The reference holds (N, T, V) fp32 copies
+   of the logits (the upcast, the log-softmax, the entropy's softmax) and autograd keeps them for backward;
+   `logprobs_row_by_row` upcasts one row at a time both ways (`selective_log_softmax`, a hand-written
+   backward), equal to the reference to rounding. `trunk_logprobs` uses it.
 
 Letters as in grpo.py, and L decoder blocks, K adapted ones (first_adapted = L - K), H hidden size.
 NOTE: the trunk assumes, as holds for Qwen2 / Qwen2.5-VL: every adapted block receives the same keyword
@@ -384,9 +388,7 @@ def trunk_logprobs(
     # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2, the trunk's last T, predict the T
     # completion tokens. The norm acts on each position alone, so norm-then-slice equals slice-then-norm.
     logits = lm_head(norm(hidden_states[:, -T:]))  # (n, T, V)
-    return grpo.logprobs_from_logits(
-        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
-    )
+    return logprobs_row_by_row(logits, completion_ids, temperature=temperature, return_entropy=return_entropy)
 
 
 # --- 3. micro-batches (the loss's backward over all N rows at once) -----------------------------------------
@@ -433,6 +435,68 @@ def split_rows(
             chunk["pixel_values"] = inputs["pixel_values"][first_patch[i] : first_patch[j]]
         chunks.append((slice(a, b), chunk))
     return chunks
+
+
+# --- 4. log-probs row by row (grpo.logprobs_from_logits) ---------------------------------------------------
+
+
+def _upcast(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in at least fp32 (a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
+    the ratio); no copy when there is nothing to do (fp32 logits, temperature 1)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits if temperature == 1 else logits / temperature
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """log softmax(logits / temperature)[index], one row at a time both ways. A hand-written backward, since
+    autograd through a row loop would keep every row's fp32 upcast alive; this saves an (N, T) logsumexp."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+        lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
+        picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.temperature = temperature
+        return picked - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, index, lse = ctx.saved_tensors
+        scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
+        grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
+        for i in range(logits.shape[0]):
+            # d logp / d z = onehot(index) - softmax(z) for z = logits / temperature, times the incoming grad.
+            z = _upcast(logits[i], ctx.temperature)  # (T, V); may be logits[i] itself: no in-place op on it
+            row = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
+            row.scatter_add_(-1, index[i, :, None], scale[i, :, None])
+            grad_logits[i] = row
+        return grad_logits, None, None
+
+
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
+    in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _SelectiveLogSoftmax.apply(logits, index, float(temperature))
+
+
+def logprobs_row_by_row(
+    logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`grpo.logprobs_from_logits`, one row's fp32 copy at a time: logp [and entropy] (N, T) from shifted
+    logits (N, T, V); temperature 0 counts as 1."""
+    temperature = temperature if temperature > 0 else 1.0
+    logp = selective_log_softmax(logits, completion_ids, temperature)  # (N, T)
+    if not return_entropy:
+        return logp, None
+    with torch.no_grad():  # the entropy is a metric
+        # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
+        entropy = [torch.special.entr(torch.softmax(_upcast(row, temperature), -1)).sum(-1) for row in logits]
+    return logp, torch.stack(entropy)  # (N, T)
 
 
 # --- the choice, made once per run, and the three calls the step makes through it ---------------------------

@@ -268,7 +268,7 @@ class Run:
     accuracy_name: str = ""
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
-    loss: dict = dataclasses.field(default_factory=dict)  # grpo_loss's options from the flags
+    loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)  # the loss's flags
     speed: speedups.Plan = dataclasses.field(default_factory=lambda: speedups.Plan(speedups.SpeedConfig()))
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
@@ -365,13 +365,13 @@ def advantages(
     reward: torch.Tensor, components: dict[str, torch.Tensor], run: Run, args: Args
 ) -> torch.Tensor:
     """Advantages (N,) of the weighted total reward, or GDPO's of the group-normalised rewards' sum."""
-    if args.multi_objective_aggregation == "sum_then_normalize":
-        return grpo.group_advantages(
-            reward, args.group_size, scale=args.adv_scale, clip=args.adv_clip, baseline=args.adv_baseline
-        )
-    weights = torch.tensor([r.weight for r in run.reward_fns])  # (K,)
-    summed = grpo.normalized_reward_sum(torch.stack(list(components.values()), 1), weights, args.group_size)
-    return grpo.group_advantages(summed, args.group_size, scale="batch", clip=args.adv_clip, baseline="batch")
+    config = grpo.AdvantageConfig(
+        adv_scale=args.adv_scale, adv_baseline=args.adv_baseline, adv_clip=args.adv_clip,
+        multi_objective_aggregation=args.multi_objective_aggregation,
+    )  # fmt: skip
+    weights = torch.tensor([r.weight for r in run.reward_fns], device=reward.device)  # (K,)
+    stacked = torch.stack(list(components.values()), 1)  # (N, K)
+    return grpo.advantages(reward, stacked, weights, args.group_size, config)
 
 
 @torch.no_grad()
@@ -411,8 +411,9 @@ def accumulate_policy_gradient(
         ref_logp = ro.ref_logp[chunk.rows] if ro.ref_logp is not None else None
         token_mask = ro.token_mask[chunk.rows] if ro.token_mask is not None else None
         loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, ro.adv[chunk.rows], ro.mask[chunk.rows], beta=beta, num_rows=num_rows,
-            num_tokens=num_tokens, token_mask=token_mask, **run.loss,
+            logp, old_logp, ref_logp, ro.adv[chunk.rows], ro.mask[chunk.rows],
+            config=dataclasses.replace(run.loss, beta=beta), token_mask=token_mask,
+            totals=grpo.BatchTotals(num_rows, num_tokens, args.max_new_tokens),
         )  # fmt: skip
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
@@ -583,13 +584,15 @@ def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
     return data.sampling_options(tokenizer, generation_config, **options)
 
 
-def loss_options(args: Args) -> dict:
-    """grpo_loss's keyword arguments that come straight from the flags: the objective and its variants."""
-    return dict(
-        loss_type=args.loss_type, clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,
-        max_completion_length=args.max_new_tokens, importance_sampling_level=args.importance_sampling_level,
-        delta=args.delta, sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg, kl_bias_correction=args.use_bias_correction_kl,
+def loss_options(args: Args) -> grpo.LossConfig:
+    """The loss's settings from the flags: the objective and its variants (the step passes its own beta)."""
+    return grpo.LossConfig(
+        loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
+        clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, delta=args.delta,
+        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        top_entropy_quantile=args.top_entropy_quantile, use_bias_correction_kl=args.use_bias_correction_kl,
+        kl_target_low=args.kl_target_low, kl_target_high=args.kl_target_high,
+        kl_adapt_factor=args.kl_adapt_factor,
     )  # fmt: skip
 
 
@@ -816,8 +819,7 @@ def train_loop(
         record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
         if args.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
-            band = dict(kl_target_low=args.kl_target_low, kl_target_high=args.kl_target_high)
-            beta = grpo.adapt_beta(beta, record["kl"], **band, factor=args.kl_adapt_factor)
+            beta = grpo.adapt_beta(beta, record["kl"], run.loss)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
         if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
             if run.held_out and (step % args.eval_every == 0 or step == args.steps):

@@ -211,6 +211,13 @@ def accumulate_policy_gradient(
     """train.py's policy gradient in one process: logp with grad and the GRPO loss's backward, chunk by
     chunk, each normalised by the whole batch's rows and tokens; returns loss, stats and entropy (N, T)."""
     num_rows, num_tokens = mask.shape[0], mask.sum().clamp(min=1)
+    config = grpo.LossConfig(
+        loss_type=args.loss_type,
+        beta=args.beta,
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+    )
+    totals = grpo.BatchTotals(num_rows, num_tokens, max_completion_length=args.max_new_tokens)
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in chunks:
         rows = chunk.rows
@@ -222,13 +229,8 @@ def accumulate_policy_gradient(
             ref_logp[rows] if ref_logp is not None else None,
             adv[rows],
             mask[rows],
-            clip_eps_low=args.clip_eps_low,
-            clip_eps_high=args.clip_eps_high,
-            beta=args.beta,
-            loss_type=args.loss_type,
-            max_completion_length=args.max_new_tokens,
-            num_rows=num_rows,
-            num_tokens=num_tokens,
+            config,
+            totals=totals,
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()

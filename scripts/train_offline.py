@@ -434,18 +434,22 @@ def grpo_step(model, b: ScoredBatch, inputs_of, *, top_k: int | None, args: Args
     rows = curriculum_mask(b.scores, b.group_size, top_k)  # (N,) adv stays the full group's z-score
     mask = (b.mask & rows[:, None]).to(device)  # (N, T)
     old_logp = b.old_logp.to(device)
+    config = grpo.LossConfig(
+        loss_type=args.loss_type,
+        beta=args.beta,
+        clip_eps_low=args.clip_eps_low,
+        clip_eps_high=args.clip_eps_high,
+    )
+    # num_rows: "grpo" averages over the rows that are in the loss; num_tokens: this batch's.
+    totals = grpo.BatchTotals(int(rows.sum()), mask.sum().clamp(min=1), max_completion_length=max_len)
     loss, stats = grpo.grpo_loss(
         logp,
         old_logp,
         b.ref_logp.to(device) if b.ref_logp is not None else None,
         b.adv.to(device),
         mask,
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        max_completion_length=max_len,
-        num_rows=int(rows.sum()),  # "grpo" averages over the rows that are in the loss
+        config,
+        totals=totals,
     )
     stats["log_ratio_absmax"] = torch.where(mask, logp.detach() - old_logp, 0.0).abs().max().item()
     stats["frac_rows_in_loss"] = rows.float().mean().item()  # < 1 while the curriculum is on

@@ -12,6 +12,7 @@ from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, PATCH_DIM, VISION_END_ID, VIS
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo
+import speedups
 
 IMAGE = [VISION_START_ID] + [IMAGE_PAD_ID] * 4 + [VISION_END_ID]  # grid (1, 4, 4): 16 patches -> 4 tokens
 GRID = [1, 4, 4]
@@ -85,7 +86,7 @@ def random_mask(N, T, seed=0):
     return torch.arange(T)[None] < lengths[:, None]
 
 
-# --- selective_log_softmax ----------------------------------------------------------------------------------
+# --- speedups.selective_log_softmax: the row-by-row log-probs against log_softmax + gather ------------------
 
 
 def test_selective_log_softmax_matches_log_softmax_gather_fp32():
@@ -93,7 +94,7 @@ def test_selective_log_softmax_matches_log_softmax_gather_fp32():
     logits = (5 * torch.randn(3, 4, 50)).requires_grad_()
     index = torch.randint(0, 50, (3, 4))
     upstream = torch.randn(3, 4)
-    ours = grpo.selective_log_softmax(logits, index)
+    ours = speedups.selective_log_softmax(logits, index)
     (ours * upstream).sum().backward()
     grad_ours, logits.grad = logits.grad, None
     ref = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
@@ -107,7 +108,7 @@ def test_selective_log_softmax_bf16_is_fp32_accurate_on_the_rounded_logits():
     logits32 = 5 * torch.randn(3, 4, 1000)
     logits = logits32.bfloat16().requires_grad_()
     index = torch.randint(0, 1000, (3, 4))
-    ours = grpo.selective_log_softmax(logits, index)
+    ours = speedups.selective_log_softmax(logits, index)
     assert ours.dtype == torch.float32
     # Tight against an fp32 log-softmax of the same (rounded) logits, loose against the unrounded ones.
     ref = torch.log_softmax(logits.float(), -1).gather(-1, index[..., None]).squeeze(-1)
@@ -128,13 +129,13 @@ def test_selective_log_softmax_gradcheck_fp64_and_minus_inf_logits():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(grpo.selective_log_softmax, (logits, index))
+    assert torch.autograd.gradcheck(speedups.selective_log_softmax, (logits, index))
     # -inf at a non-chosen token (probability 0) must give finite values and finite gradients.
     masked = logits.detach().clone()
     masked[..., 0] = -math.inf
     masked.requires_grad_()
     index = torch.randint(1, 7, (2, 3))
-    out = grpo.selective_log_softmax(masked, index)
+    out = speedups.selective_log_softmax(masked, index)
     out.sum().backward()
     ref = torch.log_softmax(masked.detach(), -1).gather(-1, index[..., None]).squeeze(-1)
     torch.testing.assert_close(out, ref)
@@ -147,7 +148,7 @@ def test_selective_log_softmax_divides_by_the_temperature_in_fp32(dtype):
     logits = (5 * torch.randn(3, 4, 1000)).to(dtype).requires_grad_()
     index = torch.randint(0, 1000, (3, 4))
     upstream = torch.randn(3, 4)
-    ours = grpo.selective_log_softmax(logits, index, 0.7)
+    ours = speedups.selective_log_softmax(logits, index, 0.7)
     (ours * upstream).sum().backward()
     # Reference: the same (rounded) logits, upcast first, then divided: no bf16 rounding of logits / 0.7.
     logits_ref = logits.detach().float().requires_grad_()
@@ -165,7 +166,7 @@ def test_selective_log_softmax_with_temperature_gradcheck_fp64():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
     index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(lambda x: grpo.selective_log_softmax(x, index, 0.6), (logits,))
+    assert torch.autograd.gradcheck(lambda x: speedups.selective_log_softmax(x, index, 0.6), (logits,))
 
 
 def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
@@ -179,9 +180,29 @@ def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        grpo.selective_log_softmax(logits, index)
+        speedups.selective_log_softmax(logits, index)
     logits_bytes = logits.numel() * logits.element_size()
     assert sum(saved_bytes) <= 0.25 * logits_bytes  # only the (N, T) logsumexp and the index
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_by_row_logprobs_entropy_and_gradient_equal_the_reference(dtype):
+    torch.manual_seed(0)
+    logits = (5 * torch.randn(3, 4, 1000)).to(dtype)
+    index = torch.randint(0, 1000, (3, 4))
+    upstream = torch.randn(3, 4)
+    results = []
+    for logprobs in (grpo.logprobs_from_logits, speedups.logprobs_row_by_row):
+        leaf = logits.clone().requires_grad_()
+        logp, entropy = logprobs(leaf, index, temperature=0.7, return_entropy=True)
+        (logp * upstream).sum().backward()
+        results.append((logp, entropy, leaf.grad))
+    (ref, ref_entropy, ref_grad), (ours, entropy, grad) = results
+    assert ref.dtype == ours.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient itself is stored in bf16
+    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=tolerance, rtol=tolerance)
 
 
 # --- completion_mask ----------------------------------------------------------------------------------------
@@ -283,43 +304,36 @@ def test_aggregate_formulas_by_hand():
     # Row 0 has length 1, row 1 length 3; the 9s and the inf are masked out.
     per_token = torch.tensor([[1.0, 9.0, math.inf], [2.0, 3.0, 4.0]])
     mask = torch.tensor([[True, False, False], [True, True, True]])
-    agg = lambda **kw: grpo.aggregate(per_token, mask, **kw).item()
-    assert agg(loss_type="grpo") == pytest.approx(2.0)  # (1/1 + 9/3) / 2
-    assert agg(loss_type="bnpo") == pytest.approx(2.5)  # 10 / 4
-    assert agg(loss_type="dapo") == pytest.approx(2.5)  # 10 / 4 (this batch is the global batch)
-    assert agg(loss_type="dapo", num_tokens=8) == pytest.approx(1.25)  # 10 / 8
-    assert agg(loss_type="dr_grpo", max_completion_length=4) == pytest.approx(1.25)  # 10 / (2 * 4)
+    agg = lambda loss_type, totals=None: grpo.aggregate(per_token, mask, loss_type, totals).item()
+    assert agg("grpo") == pytest.approx(2.0)  # (1/1 + 9/3) / 2
+    assert agg("bnpo") == pytest.approx(2.5)  # 10 / 4
+    assert agg("dapo") == pytest.approx(2.5)  # 10 / 4 (this batch is the global batch)
+    assert agg("dapo", grpo.BatchTotals(num_rows=2, num_tokens=8)) == pytest.approx(1.25)  # 10 / 8
+    dr_grpo_totals = grpo.BatchTotals(num_rows=2, num_tokens=4, max_completion_length=4)
+    assert agg("dr_grpo", dr_grpo_totals) == pytest.approx(1.25)  # 10 / (2 * 4)
     with pytest.raises(ValueError, match="max_completion_length"):
-        agg(loss_type="dr_grpo")
+        agg("dr_grpo")
     with pytest.raises(ValueError, match="loss_type"):
-        agg(loss_type="sum")
+        agg("sum")
 
 
 @pytest.mark.parametrize(
-    ("loss_type", "kwargs", "expected"),
+    ("loss_type", "totals", "expected"),
     [
-        ("grpo", {}, 0.4333333),  # (-1.1 / 1 + (2.0 + 1.8 + 2.1) / 3) / 2
-        ("bnpo", {}, 1.2),  # (-1.1 + 5.9) / 4
-        ("dr_grpo", {"max_completion_length": 4}, 0.6),  # 4.8 / (2 * 4)
-        ("dapo", {"num_tokens": 6}, 0.8),  # 4.8 / 6 (two more tokens elsewhere in the global batch)
+        ("grpo", None, 0.4333333),  # (-1.1 / 1 + (2.0 + 1.8 + 2.1) / 3) / 2
+        ("bnpo", None, 1.2),  # (-1.1 + 5.9) / 4
+        ("dr_grpo", grpo.BatchTotals(2, 4, max_completion_length=4), 0.6),  # 4.8 / (2 * 4)
+        ("dapo", grpo.BatchTotals(2, 6), 0.8),  # 4.8 / 6 (two more tokens elsewhere in the global batch)
     ],
 )
-def test_grpo_loss_hand_computed(loss_type, kwargs, expected):
+def test_grpo_loss_hand_computed(loss_type, totals, expected):
     # Ratios inside the clip range: row 0 (adv +1) [1.1], row 1 (adv -2) [1.0, 0.9, 1.05].
     # Per token -ratio * adv: row 0 [-1.1], row 1 [2.0, 1.8, 2.1].
     ratio = torch.tensor([[1.1, 1.0, 1.0], [1.0, 0.9, 1.05]])
     mask = torch.tensor([[True, False, False], [True, True, True]])
+    config = grpo.LossConfig(loss_type=loss_type, beta=0.0, clip_eps_low=0.2, clip_eps_high=0.2)
     loss, stats = grpo.grpo_loss(
-        ratio.log(),
-        torch.zeros(2, 3),
-        None,
-        torch.tensor([1.0, -2.0]),
-        mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        beta=0.0,
-        loss_type=loss_type,
-        **kwargs,
+        ratio.log(), torch.zeros(2, 3), None, torch.tensor([1.0, -2.0]), mask, config, totals=totals
     )
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert stats["ratio_mean"] == pytest.approx((1.1 + 1.0 + 0.9 + 1.05) / 4)
@@ -328,32 +342,13 @@ def test_grpo_loss_hand_computed(loss_type, kwargs, expected):
 
 def test_grpo_loss_kl_term_by_hand():
     # ratio 1, adv 0: only the KL term; ref - logp = ln 2 on both tokens -> k3 = 1 - ln 2 = 0.3068528.
-    logp = torch.zeros(1, 2)
-    loss, stats = grpo.grpo_loss(
-        logp,
-        logp,
-        logp + math.log(2),
-        torch.zeros(1),
-        torch.ones(1, 2, dtype=torch.bool),
-        clip_eps_low=0.2,
-        clip_eps_high=0.2,
-        beta=0.5,
-        loss_type="grpo",
-    )
+    logp, adv, mask = torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool)
+    config = grpo.LossConfig(loss_type="grpo", beta=0.5, clip_eps_low=0.2, clip_eps_high=0.2)
+    loss, stats = grpo.grpo_loss(logp, logp, logp + math.log(2), adv, mask, config)
     assert loss.item() == pytest.approx(0.5 * 0.3068528)
     assert stats["kl"] == pytest.approx(0.3068528)
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo.grpo_loss(
-            logp,
-            logp,
-            None,
-            torch.zeros(1),
-            torch.ones(1, 2, dtype=torch.bool),
-            clip_eps_low=0.2,
-            clip_eps_high=0.2,
-            beta=0.5,
-            loss_type="grpo",
-        )
+        grpo.grpo_loss(logp, logp, None, adv, mask, config)
 
 
 @pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
@@ -363,18 +358,9 @@ def test_mu1_loss_is_minus_aggregated_advantage_and_gradient_is_reinforce(loss_t
     logp = (-3 * torch.rand(N, T)).requires_grad_()
     adv = torch.randn(N)
     mask = random_mask(N, T)
-    loss, stats = grpo.grpo_loss(
-        logp,
-        logp.detach(),
-        None,
-        adv,
-        mask,
-        clip_eps_low=0.2,
-        clip_eps_high=0.28,
-        beta=0.0,
-        loss_type=loss_type,
-        max_completion_length=T,
-    )
+    config = grpo.LossConfig(loss_type=loss_type, beta=0.0, clip_eps_low=0.2, clip_eps_high=0.28)
+    totals = grpo.BatchTotals(N, mask.sum(), max_completion_length=T)  # this batch's own rows and tokens
+    loss, stats = grpo.grpo_loss(logp, logp.detach(), None, adv, mask, config, totals=totals)
     loss.backward()
     expected = naive_aggregate(-adv[:, None].expand(N, T), mask, loss_type, max_len=T)
     torch.testing.assert_close(loss, expected)
@@ -393,8 +379,8 @@ def test_clipping_is_active_exactly_outside_one_plus_minus_eps_and_asymmetric():
     logp = ratio.log().requires_grad_()
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    kw = {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "beta": 0.0, "loss_type": "bnpo"}
-    loss, stats = grpo.grpo_loss(logp, torch.zeros_like(logp), None, adv, mask, **kw)
+    config = grpo.LossConfig(loss_type="bnpo", beta=0.0, clip_eps_low=0.2, clip_eps_high=0.28)
+    loss, stats = grpo.grpo_loss(logp, torch.zeros_like(logp), None, adv, mask, config)
     loss.backward()
     clipped = torch.tensor([[True, False, False], [True, False, False]])
     assert torch.equal(logp.grad[clipped], torch.zeros(2, dtype=torch.float64))
@@ -405,16 +391,9 @@ def test_clipping_is_active_exactly_outside_one_plus_minus_eps_and_asymmetric():
     logp = torch.tensor([[math.log(1.25)]], requires_grad=True)
     for eps_high, expected_grad in ((0.28, -1.25), (0.2, 0.0)):
         logp.grad = None
+        config = grpo.LossConfig(loss_type="grpo", beta=0.0, clip_eps_low=0.2, clip_eps_high=eps_high)
         loss, _ = grpo.grpo_loss(
-            logp,
-            torch.zeros(1, 1),
-            None,
-            torch.ones(1),
-            torch.ones(1, 1, dtype=torch.bool),
-            clip_eps_low=0.2,
-            clip_eps_high=eps_high,
-            beta=0.0,
-            loss_type="grpo",
+            logp, torch.zeros(1, 1), None, torch.ones(1), torch.ones(1, 1, dtype=torch.bool), config
         )
         loss.backward()
         assert logp.grad.item() == pytest.approx(expected_grad)
@@ -428,27 +407,15 @@ def test_chunked_aggregation_equals_unchunked_loss_and_gradient(loss_type):
     old_logp = logp.detach() + 0.3 * torch.randn(N, T)  # off-policy enough for some clipping
     ref_logp = logp.detach() + 0.3 * torch.randn(N, T)
     adv, mask = torch.randn(N), random_mask(N, T)
-    kw = {
-        "clip_eps_low": 0.2,
-        "clip_eps_high": 0.28,
-        "beta": 0.1,
-        "loss_type": loss_type,
-        "max_completion_length": T,
-    }
-    full, _ = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, **kw)
+    config = grpo.LossConfig(loss_type=loss_type, beta=0.1, clip_eps_low=0.2, clip_eps_high=0.28)
+    totals = grpo.BatchTotals(num_rows=N, num_tokens=mask.sum(), max_completion_length=T)
+    full, _ = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, config, totals=totals)
     full.backward()
     grad_full, logp.grad = logp.grad, None
     total = 0.0
     for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):  # uneven micro-batches, gradients accumulate
         part, _ = grpo.grpo_loss(
-            logp[rows],
-            old_logp[rows],
-            ref_logp[rows],
-            adv[rows],
-            mask[rows],
-            num_rows=N,
-            num_tokens=mask.sum(),
-            **kw,
+            logp[rows], old_logp[rows], ref_logp[rows], adv[rows], mask[rows], config, totals=totals
         )
         part.backward()
         total += part.item()
@@ -463,18 +430,9 @@ def test_nonfinite_values_at_masked_positions_do_not_leak():
     mask = torch.tensor([[True, False, False]])
     for loss_type in ALL_LOSS_TYPES:
         logp.grad = None
-        loss, stats = grpo.grpo_loss(
-            logp,
-            old_logp,
-            ref_logp,
-            torch.ones(1),
-            mask,
-            clip_eps_low=0.2,
-            clip_eps_high=0.28,
-            beta=0.1,
-            loss_type=loss_type,
-            max_completion_length=3,
-        )
+        config = grpo.LossConfig(loss_type=loss_type, beta=0.1, clip_eps_low=0.2, clip_eps_high=0.28)
+        totals = grpo.BatchTotals(1, 1, max_completion_length=3)
+        loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, torch.ones(1), mask, config, totals=totals)
         loss.backward()
         assert torch.isfinite(loss) and all(math.isfinite(v) for v in stats.values())
         assert torch.equal(logp.grad[0, 1:], torch.zeros(2)) and logp.grad[0, 0] != 0
@@ -621,17 +579,8 @@ def test_tokens_after_eos_get_zero_gradient(random_vlm):
         logp.retain_grad()
         with torch.no_grad():
             old_logp = logp + 0.1 * torch.randn(generator=torch.Generator().manual_seed(0), size=logp.shape)
-        loss, _ = grpo.grpo_loss(
-            logp,
-            old_logp,
-            old_logp,
-            adv,
-            mask,
-            clip_eps_low=0.2,
-            clip_eps_high=0.28,
-            beta=0.1,
-            loss_type="grpo",
-        )
+        config = grpo.LossConfig(loss_type="grpo", beta=0.1, clip_eps_low=0.2, clip_eps_high=0.28)
+        loss, _ = grpo.grpo_loss(logp, old_logp, old_logp, adv, mask, config)
         loss.backward()
         return (
             loss,
@@ -682,14 +631,52 @@ def test_recompute_uses_each_rows_own_images(random_vlm):
 
 
 def test_adaptive_beta_rises_above_the_band_falls_below_it_and_holds_inside():
-    band = dict(kl_target_low=0.01, kl_target_high=0.1, factor=2.0)
+    band = grpo.LossConfig(kl_target_low=0.01, kl_target_high=0.1, kl_adapt_factor=2.0)
     beta, trace = 0.04, []
     for kl in [0.5, 0.5, 0.05, 0.001, 0.001, float("nan")]:  # a synthetic KL sequence
-        beta = grpo.adapt_beta(beta, kl, **band)
+        beta = grpo.adapt_beta(beta, kl, band)
         trace.append(beta)
     assert trace == pytest.approx([0.08, 0.16, 0.16, 0.08, 0.04, 0.04])
 
 
 def test_adaptive_beta_rejects_an_empty_band():
     with pytest.raises(ValueError):
-        grpo.adapt_beta(0.04, 0.05, kl_target_low=0.1, kl_target_high=0.1, factor=2.0)
+        grpo.adapt_beta(
+            0.04, 0.05, grpo.LossConfig(kl_target_low=0.1, kl_target_high=0.1, kl_adapt_factor=2.0)
+        )
+
+
+def test_adaptive_beta_without_a_band_leaves_beta_unchanged():
+    assert grpo.adapt_beta(0.04, 5.0, grpo.LossConfig()) == 0.04  # both targets None: the band is off
+
+
+# --- the settings check their own values, naming the flag ---------------------------------------------------
+
+BAD_LOSS_SETTINGS = [
+    (dict(beta=-1.0), "--beta: must be >= 0 (0 drops the KL term and the reference pass), got -1.0"),
+    (dict(clip_eps_low=1.5), "--clip-eps-low: must be in [0, 1), got 1.5"),
+    (dict(clip_eps_high=-0.1), "--clip-eps-high: must be >= 0, got -0.1"),
+    (dict(kl_adapt_factor=1.0), "--kl-adapt-factor: must be > 1, got 1.0"),
+    (dict(delta=1.2), "--delta: must be > 1 + --clip-eps-high, got 1.2"),
+    (dict(sapo_temperature_pos=0.0), "--sapo-temperature-pos: must be > 0, got 0.0"),
+    (dict(sapo_temperature_neg=-1.0), "--sapo-temperature-neg: must be > 0, got -1.0"),
+    (dict(top_entropy_quantile=0.0), "--top-entropy-quantile: must be in (0, 1], got 0.0"),
+    (dict(kl_target_low=0.1), "--kl-target-low/--kl-target-high: give both or neither"),
+    (dict(kl_target_low=0.2, kl_target_high=0.1), "--kl-target-low: must be >= 0 and < --kl-target-high"),
+]
+
+
+@pytest.mark.parametrize(("settings", "message"), BAD_LOSS_SETTINGS)
+def test_loss_config_check_names_the_flag_and_the_value(settings, message):
+    with pytest.raises(ValueError) as error:
+        grpo.LossConfig(**settings).check()
+    assert str(error.value) == message
+
+
+def test_advantage_config_check_names_the_flag_and_the_value_and_defaults_pass():
+    with pytest.raises(ValueError) as error:
+        grpo.AdvantageConfig(adv_clip=0.0).check()
+    assert str(error.value) == "--adv-clip: must be > 0, got 0.0"
+    grpo.LossConfig().check()
+    grpo.AdvantageConfig().check()
+    grpo.LossConfig(delta=4.0, kl_target_low=0.0, kl_target_high=0.1).check()

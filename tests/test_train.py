@@ -166,18 +166,14 @@ def test_at_step_zero_every_A_gets_exactly_zero_gradient_and_every_B_a_nonzero_o
     model, tokenizer, image_processor = load_tiny_with_lora()
     _, ro = make_rollout(model, tokenizer, image_processor, args)
     logp, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
-    loss, _ = grpo.grpo_loss(
-        logp,
-        logp.detach(),
-        ro.ref_logp,
-        ro.adv,
-        ro.mask,
+    config = grpo.LossConfig(
+        loss_type=args.loss_type,
+        beta=args.beta,
         clip_eps_low=args.clip_eps_low,
         clip_eps_high=args.clip_eps_high,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        max_completion_length=args.max_new_tokens,
     )
+    totals = grpo.BatchTotals(ro.mask.shape[0], ro.mask.sum(), max_completion_length=args.max_new_tokens)
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), ro.ref_logp, ro.adv, ro.mask, config, totals=totals)
     loss.backward()
     modules = lora_modules(model)
     assert len(modules) == 4 * 7  # 7 target linears in each of the last 4 blocks
@@ -219,17 +215,13 @@ def test_loss_reaches_lora_parameters_only_through_the_recompute(tmp_path):
     assert logp.requires_grad
 
     def loss_of(logp_in):
-        return grpo.grpo_loss(
-            logp_in,
-            ro.old_logp,
-            ro.ref_logp,
-            ro.adv,
-            ro.mask,
+        config = grpo.LossConfig(
+            loss_type=args.loss_type,
+            beta=args.beta,
             clip_eps_low=args.clip_eps_low,
             clip_eps_high=args.clip_eps_high,
-            beta=args.beta,
-            loss_type=args.loss_type,
-        )[0]
+        )
+        return grpo.grpo_loss(logp_in, ro.old_logp, ro.ref_logp, ro.adv, ro.mask, config)[0]
 
     # With the recompute detached, nothing in the loss is connected to the LoRA parameters.
     detached = loss_of(logp.detach())

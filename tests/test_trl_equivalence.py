@@ -16,7 +16,7 @@ operations (and in expm1(d) - d against exp(d) - d - 1).
 
 Names: TRL epsilon = clip_eps_low and epsilon_high = clip_eps_high, except for cispo, where TRL reads
 epsilon_high as the ratio bound itself (5.0 recommended) and ours is 1 + clip_eps_high;
-use_bias_correction_kl = kl_bias_correction; num_items_in_batch = num_tokens (dapo, cispo);
+use_bias_correction_kl has the same name; num_items_in_batch = BatchTotals.num_tokens (dapo, cispo);
 top_entropy_quantile = the quantile of `grpo.high_entropy_mask`.
 
 Semantic differences. Each test compares under matched settings; the last tests pin the differences.
@@ -128,7 +128,7 @@ def trl_trainer(
     importance_sampling_level: str = "token",
     delta: float | None = None,
     top_entropy_quantile: float = 1.0,
-    kl_bias_correction: bool = False,
+    use_bias_correction_kl: bool = False,
     sapo_temperatures: tuple[float, float] = SAPO_TEMPERATURES,
     accumulation_steps: int = 1,
 ) -> GRPOTrainer:
@@ -137,7 +137,7 @@ def trl_trainer(
         delta=delta,
         sapo_temperature_pos=sapo_temperatures[0],
         sapo_temperature_neg=sapo_temperatures[1],
-        use_bias_correction_kl=kl_bias_correction,
+        use_bias_correction_kl=use_bias_correction_kl,
         steps_per_generation=accumulation_steps,  # one generation batch per optimiser step
     )
     # A renamed field in a later TRL would otherwise read as a silently ignored option.
@@ -199,27 +199,38 @@ def our_loss(
     top_entropy_quantile: float = 1.0,
     sapo_temperatures: tuple[float, float] = SAPO_TEMPERATURES,
     on_policy: bool = False,
+    num_rows: int | None = None,
+    num_tokens: torch.Tensor | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """grpo_loss on `batch` with TRL's knobs translated; the entropy mask from the same entropies as TRL's."""
+    """grpo_loss on `batch` with TRL's knobs translated; the entropy mask from the same entropies as TRL's.
+    num_rows / num_tokens: the whole batch's, when `batch` is a micro-batch (default: its own)."""
     token_mask = None
     if top_entropy_quantile < 1:
         token_mask = grpo.high_entropy_mask(batch.entropy, batch.mask, top_entropy_quantile)
+    config = grpo.LossConfig(
+        loss_type=loss_type,
+        beta=beta,
+        clip_eps_low=CLIP_EPS_LOW,
+        clip_eps_high=CLIP_EPS_HIGH,
+        sapo_temperature_pos=sapo_temperatures[0],
+        sapo_temperature_neg=sapo_temperatures[1],
+        **options,
+    )
+    totals = grpo.BatchTotals(
+        len(batch.mask) if num_rows is None else num_rows,
+        batch.mask.sum().clamp(min=1) if num_tokens is None else num_tokens,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+    )
     return grpo.grpo_loss(
         logp,
         logp.detach() if on_policy else batch.old_logp,
         batch.ref_logp,
         batch.adv,
         batch.mask,
-        clip_eps_low=CLIP_EPS_LOW,
-        clip_eps_high=CLIP_EPS_HIGH,
-        beta=beta,
-        loss_type=loss_type,
-        max_completion_length=MAX_COMPLETION_LENGTH,
-        sapo_temperature_pos=sapo_temperatures[0],
-        sapo_temperature_neg=sapo_temperatures[1],
+        config,
         token_mask=token_mask,
-        **options,
+        totals=totals,
     )
 
 
@@ -310,22 +321,22 @@ def test_high_entropy_token_mask_equals_trl_fed_the_same_entropies(loss_type, qu
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_bias_corrected_kl_equals_trl(loss_type, level, on_policy):
     # On-policy the weight pi / pi_old is 1 in value but not in gradient: mu=1 checks that term too.
-    options = dict(importance_sampling_level=level, kl_bias_correction=True, beta=0.1)
+    options = dict(importance_sampling_level=level, use_bias_correction_kl=True, beta=0.1)
     assert_equal_to_trl(loss_type, on_policy=on_policy, **options)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_option_at_once_equals_trl(loss_type):
     options = dict(importance_sampling_level="sequence", delta=DELTA, top_entropy_quantile=0.5)
-    assert_equal_to_trl(loss_type, beta=0.1, kl_bias_correction=True, **options)
+    assert_equal_to_trl(loss_type, beta=0.1, use_bias_correction_kl=True, **options)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo"])
 def test_token_level_stats_equal_trl_metrics(loss_type):
     batch = crafted_batch()
-    trainer = trl_trainer(loss_type, beta=0.1, kl_bias_correction=True)
+    trainer = trl_trainer(loss_type, beta=0.1, use_bias_correction_kl=True)
     trl_loss(trainer, batch, batch.logp)
-    _, stats = our_loss(batch, batch.logp, loss_type, beta=0.1, kl_bias_correction=True)
+    _, stats = our_loss(batch, batch.logp, loss_type, beta=0.1, use_bias_correction_kl=True)
     metrics = {key: values[0] for key, values in trainer._metrics["train"].items()}
     assert stats["kl"] == pytest.approx(metrics["kl"], rel=1e-12)
     if loss_type == "cispo":  # TRL logs only the upper bound; cispo has no lower one
