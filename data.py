@@ -38,7 +38,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from PIL import Image
@@ -161,29 +161,61 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
         raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
 
 
-def load_samples(
-    paths: Sequence[str],
-    eval_path: str | None,
-    *,
-    task: str,
-    train_size: int,
-    eval_size: int,
-    seed: int,
-    prompt_template: str | None,
-) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_path), or the built-in
+@dataclass
+class DataConfig:
+    """Where the samples come from and how their prompts are prepared. Field names are train.py's flags."""
+
+    data: tuple[str, ...] = ()
+    """Training JSONL file(s). Empty: the built-in task `--task`."""
+    eval_data: str | None = None
+    """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
+    task: Literal["inspection", "shapes", "summaries"] = "inspection"
+    """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
+    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries)."""
+    prompt_template: str | None = None
+    """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
+    of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
+    train_size: int = 2000
+    """Number of built-in training samples."""
+    eval_size: int = 200
+    """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
+    max_prompt_length: int = 4096
+    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+    min_pixels: int | None = None
+    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
+    max_pixels: int | None = None
+    """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
+
+    def check(self) -> None:
+        """Each value's range and each file named, with the flag at fault first in the message."""
+        for flag, value, ok, message in [
+            ("--max-prompt-length", self.max_prompt_length, self.max_prompt_length >= 1, "must be >= 1"),
+            ("--train-size", self.train_size, self.train_size >= 1, "must be >= 1"),
+            ("--eval-size", self.eval_size, self.eval_size >= 0, "must be >= 0"),
+        ]:
+            if not ok:
+                raise ValueError(f"{flag}: {message}, got {value}")
+        files = [("--data", path) for path in self.data] + [("--eval-data", self.eval_data)]
+        for flag, path in [*files, ("--prompt-template", self.prompt_template)]:
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag}: {path} does not exist (or is not a file)")
+
+
+def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_data), or the built-in
     task's splits; rendered with the prompt template file, if any."""
-    if paths:
+    if config.data:
         train = []
-        for path in paths:
+        for path in config.data:
             loaded = read_jsonl(path)
             print(f"loaded {len(loaded)} samples from {path}")
             train += loaded
-        held_out = read_jsonl(eval_path)[:eval_size] if eval_path else []
+        held_out = read_jsonl(config.eval_data)[: config.eval_size] if config.eval_data else []
     else:
-        train = tasks.make_task(task, train_size, seed=seed)
-        held_out = tasks.make_task(task, eval_size, split="test", seed=seed)
-    template = Path(prompt_template).read_text(encoding="utf-8") if prompt_template else None
+        train = tasks.make_task(config.task, config.train_size, seed=seed)
+        held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
+    path = config.prompt_template
+    template = Path(path).read_text(encoding="utf-8") if path else None
     return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
 
 

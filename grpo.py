@@ -484,6 +484,30 @@ def completion_logprobs(
 
 # --- sampling (the reference sampler: one generate call) ----------------------------------------------------
 
+
+@dataclass
+class SamplingConfig:
+    """How completions are drawn (the recompute divides by the same temperature). Field names are flags."""
+
+    max_new_tokens: int = 24
+    """Longest completion; a completion that reaches it without EOS counts as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the recompute divides logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off)."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the flag of the first setting out of range."""
+        # NOTE: at temperature 0 (greedy) a group's completions are equal and carry no advantage.
+        greedy = "must be > 0: at 0 every completion of a group is the same"
+        ranges = [
+            ("--max-new-tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("--temperature", self.temperature > 0, greedy),
+            ("--top-p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+        ]
+        _check_ranges(self, ranges)
+
+
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
 # defaults (top_k=50; Qwen2.5-VL-Instruct ships a repetition penalty). These switch every other processor off.
 NO_OTHER_PROCESSORS = dict(

@@ -73,7 +73,7 @@ import sys
 import traceback
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 RewardFn = Callable[..., float]
 
@@ -441,6 +441,9 @@ class RewardConfig:
     accuracy_reward: str | None = None
     """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
     the first --reward."""
+    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
+    """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
+    0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
 
 
 def rewards_from_flags(

@@ -50,7 +50,9 @@ import tasks
 
 @dataclass
 class Args:
-    # --- model ---
+    """The command line: the trainer's own flags, then each module's settings group (defined beside the code
+    it configures). Every flag keeps a flat name, `--beta` not `--loss.beta` (tyro.conf.OmitArgPrefixes)."""
+
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or a text-only causal LM.
     The default is the tiny Qwen2.5-VL shipped in assets/."""
@@ -58,126 +60,12 @@ class Args:
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     dtype: str = "auto"
     """'auto' (bf16 on CUDA, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
-
-    # --- data ---
-    data: tuple[str, ...] = ()
-    """Training JSONL file(s). Empty: the built-in task `--task`."""
-    eval_data: str | None = None
-    """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
-    task: Literal["inspection", "shapes", "summaries"] = "inspection"
-    """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
-    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries)."""
-    prompt_template: str | None = None
-    """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
-    of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
-    train_size: int = 2000
-    """Number of built-in training samples."""
-    eval_size: int = 200
-    """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
-    max_prompt_length: int = 4096
-    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
-    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
-    """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
-    0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
-    min_pixels: int | None = None
-    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
-    max_pixels: int | None = None
-    """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
-
-    # --- lora ---
-    lora_last_k: int = 4
-    """LoRA goes into the last K decoder blocks of the language model (vision tower frozen)."""
-    lora_r: int = 8
-    """LoRA rank."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator: the update is B @ A * alpha / r."""
-    lora_fp32: bool = True
-    """LoRA weights and AdamW state in fp32 whatever --dtype (as PEFT); the branch computes in the activation
-    dtype. --no-lora-fp32: the base dtype (half the memory, but bf16 rounds small updates away)."""
-    lora_dropout: float = 0.0
-    """Dropout on the LoRA branch input during the gradient pass."""
-
-    # --- rollout ---
     batch_size: int = 16
     """B: prompts per step (per rank under torchrun: the global batch is B*R prompts)."""
     group_size: int = 8
     """G: completions sampled per prompt (the group that advantages are normalised within)."""
-    max_new_tokens: int = 24
-    """Longest completion; a completion that reaches it without EOS counts as truncated."""
-    temperature: float = 1.0
-    """Sampling temperature; the recompute divides logits by the same value."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1.0: off)."""
-
-    # --- rewards ---
-    reward: tuple[str, ...] = ()
-    """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
-    answer_match (shapes) or label and format (inspection, summaries). Built-ins, each 0 or 1 unless said:
-    label: the first line's verdict (通过/不通过) equals the sample's "label";
-    format: exactly two lines, a verdict, then "理由: <reason>";
-    exact_match: the answer text (inside <answer>, if any) equals the sample's "answer";
-    answer_match: the same after normalising case, spaces and punctuation;
-    numeric_match: the last number of the answer is close to the sample's "answer";
-    think_answer_format: <think>...</think><answer>...</answer> and nothing else;
-    iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
-    box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
-    point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons
-    "region", or outside them within "margin"; count: the number of boxes (or points) equals "count".
-    The grounding rewards read coordinates in --box-frame and compare in original pixels (grounding.py).
-    Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
-    reward_weight: tuple[float, ...] = ()
-    """One weight per --reward (default 1.0 each)."""
-    gate: tuple[str, ...] = ()
-    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
-    accuracy_reward: str | None = None
-    """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
-    the first --reward."""
-
-    # --- loss ---
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = "dapo"
-    """The objective and its aggregation over tokens (grpo.policy_term, grpo.aggregate): grpo, bnpo, dr_grpo
-    and dapo are PPO-clip normalised per sequence, per process's tokens, by a constant, by the batch's tokens;
-    cispo (MiniMax-M1) weights logp by the truncated, detached ratio (bound 1 + --clip-eps-high); sapo (Qwen)
-    replaces the clip by a smooth gate (--sapo-temperature-pos/neg)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    """The importance ratio per token, or GSPO's per sequence (exp of the mean token log-ratio, clipped as a
-    whole; GSPO uses far smaller clip epsilons, e.g. 3e-4 / 4e-4)."""
-    delta: float | None = None
-    """Two-sided clipping (INTELLECT-2): cap the ratio at delta for negative advantages too (e.g. 4.0)."""
-    sapo_temperature_pos: float = 1.0
-    """SAPO's gate temperature for positive advantages."""
-    sapo_temperature_neg: float = 1.05
-    """SAPO's gate temperature for negative advantages (steeper: a tighter trust region)."""
-    top_entropy_quantile: float = 1.0
-    """Train the policy term only on the tokens whose entropy is in the top this share of the batch (0.2:
-    the "80/20" forking tokens); 1.0 trains on every token."""
-    use_bias_correction_kl: bool = False
-    """Weight the k3 KL term by the importance ratio (DeepSeek-V3.2; TRL's default is on, ours off)."""
-    beta: float = 0.04
-    """KL penalty weight (k3 estimator against the adapter-free reference). 0 skips the reference pass."""
-    clip_eps_low: float = 0.2
-    """PPO clip: ratio is clipped below at 1 - clip_eps_low."""
-    clip_eps_high: float = 0.28
-    """PPO clip: ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when > clip_eps_low)."""
     num_iterations: int = 1
     """mu: optimizer steps per rollout batch. > 1 stores old log-probs at rollout time."""
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
-    adv_baseline: Literal["group", "rloo", "batch"] = "group"
-    """What a reward is compared with: its group's mean (GRPO), the mean of the other G - 1 (RLOO), or the
-    batch's mean (REINFORCE++, with --adv-scale batch)."""
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
-    """With several rewards: advantages of the weighted sum (default), or each reward normalised within its
-    group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no --gate)."""
-    kl_target_low: float | None = None
-    """Adaptive KL: after each step, divide beta by --kl-adapt-factor when the measured KL is below this.
-    Off unless both --kl-target-low and --kl-target-high are given."""
-    kl_target_high: float | None = None
-    """Adaptive KL: multiply beta by --kl-adapt-factor when the measured KL is above this."""
-    kl_adapt_factor: float = 1.5
-    """Adaptive KL: the factor beta is multiplied or divided by."""
-    adv_clip: float | None = None
-    """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal and sample more prompts until B groups
     carry a learning signal (at most --max-sampling-rounds rounds). Logs dynamic/groups_sampled and _kept."""
@@ -185,8 +73,6 @@ class Args:
     """With --dynamic-sampling: rollout rounds per step at most (each of B prompts), the first included."""
     mask_truncated: bool = False
     """Drop completions that hit --max-new-tokens without EOS from the loss (DAPO's overlong filtering)."""
-
-    # --- optimisation ---
     steps: int = 100
     """Number of training steps (rollout batches)."""
     lr: float = 2e-3
@@ -197,41 +83,21 @@ class Args:
     max_grad_norm: float = 1.0
     """Gradient-norm clipping of the LoRA gradients."""
     max_bad_steps: int = 3
-    """A step whose loss or gradient is not finite is skipped (and logged); more than this many in a row
-    stop the run with a checkpoint."""
-
-    # --- speed (each one leaves the results unchanged; tests/test_speed.py) ---
-    shared_prefill: bool = True
-    """Our decoding loop (speedups.sample_shared_prefill): each prompt prefilled once, its KV cache copied to
-    its G rows, the frozen trunk recorded on the way (--trunk-reuse). Same tokens as --no-shared-prefill:
-    transformers' generate, which prefills every prompt G times."""
-    trunk_reuse: bool = True
-    """Compute the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad (with
-    --shared-prefill: recorded while sampling, no extra forward), and run only the K adapted blocks for the
-    policy, the reference and the old policy. --no-trunk-reuse: a full forward for each."""
-    micro_batch_size: int | None = None
-    """Rows per chunk of the log-prob recomputes and of the backward (gradient accumulation, same loss).
-    None: all N = B*G rows at once."""
-    gradient_checkpointing: bool = False
-    """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
-
-    # --- logging, evaluation, checkpoints ---
+    """A step with a non-finite loss or gradient is skipped; more than this many in a row stop the run."""
     output_dir: str | None = None
     """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
     timings.jsonl, checkpoint-*/, adapter/, curves.png. One run per folder (else --resume or --overwrite)."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1
-    """Keep every sampled completion (text, rewards, advantage, length) in rollouts.jsonl every this many
-    steps; 0: never."""
+    """Keep every completion (text, rewards, advantage) in rollouts.jsonl every this many steps; 0: never."""
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
-    """Also send every step's metrics, and at each evaluation a table of a few completions, to this tracker.
-    Its package must be installed (none of them is a dependency)."""
+    """Also send metrics and a few completions to this tracker (its package must be installed)."""
     eval_every: int = 25
     """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
     eval_image_ablation: Literal["none", "blank", "shuffle"] = "none"
-    """Also evaluate the held-out samples with every image grey (blank) or the images permuted across samples
-    (shuffle), logged as eval/accuracy_<mode> and eval/reward_<mode>: does the policy look at the images?"""
+    """Also evaluate with every image grey (blank) or the images permuted across samples (shuffle), logged as
+    eval/accuracy_<mode>: does the policy look at the images?"""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end)."""
     keep_last: int = 2
@@ -245,6 +111,20 @@ class Args:
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
     """Seeds data order, sampling and LoRA initialisation."""
+    samples: data.DataConfig = dataclasses.field(default_factory=data.DataConfig)
+    """Samples and prompts (data.py, tasks.py)."""
+    sampling: grpo.SamplingConfig = dataclasses.field(default_factory=grpo.SamplingConfig)
+    """Sampling (grpo.py)."""
+    rewards: rewards.RewardConfig = dataclasses.field(default_factory=rewards.RewardConfig)
+    """Rewards (rewards.py, grounding.py)."""
+    adv: grpo.AdvantageConfig = dataclasses.field(default_factory=grpo.AdvantageConfig)
+    """Advantages (grpo.py)."""
+    loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
+    """The loss and its variants (grpo.py)."""
+    lora: lora.LoRAConfig = dataclasses.field(default_factory=lora.LoRAConfig)
+    """LoRA (lora.py): where, its rank and scale."""
+    speed: speedups.SpeedConfig = dataclasses.field(default_factory=speedups.SpeedConfig)
+    """Speed-ups (speedups.py); each leaves the results unchanged (equal to rounding)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +148,6 @@ class Run:
     accuracy_name: str = ""
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
-    loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)  # the loss's flags
     speed: speedups.Plan = dataclasses.field(default_factory=lambda: speedups.Plan(speedups.SpeedConfig()))
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
@@ -321,15 +200,22 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
         return []
     components = {name: values.tolist() for name, values in ro.components.items()}
     rows = logs.rollout_records(
-        step, ro.samples, ro.texts, components, ro.reward.tolist(), ro.adv.tolist(),
-        ro.mask.sum(dim=1).tolist(), ro.truncated.tolist(), args.group_size,
-    )  # fmt: skip
+        step,
+        ro.samples,
+        ro.texts,
+        components,
+        ro.reward.tolist(),
+        ro.adv.tolist(),
+        ro.mask.sum(dim=1).tolist(),
+        ro.truncated.tolist(),
+        args.group_size,
+    )
     return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
 
 
 def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
     """The samples' chat text, tokens and image tensors, left-padded into one batch on the run's device."""
-    options = dict(device=run.device, max_prompt_length=args.max_prompt_length)
+    options = dict(device=run.device, max_prompt_length=args.samples.max_prompt_length)
     return data.prepare_prompts(samples, run.tokenizer, run.image_processor, **options)
 
 
@@ -355,43 +241,49 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     components = {name: as_floats(values) for name, values in scores.components.items()}
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
     return Rollout(
-        inputs=inputs, completion_ids=ids, mask=mask, truncated=truncated, texts=texts, samples=samples,
-        reward=reward, components=components, adv=advantages(reward, components, run, args),
+        inputs=inputs,
+        completion_ids=ids,
+        mask=mask,
+        truncated=truncated,
+        texts=texts,
+        samples=samples,
+        reward=reward,
+        components=components,
+        adv=advantages(reward, components, run, args),
         chunks=speedups.row_chunks(model, inputs, ids, recording, run.speed),
-    )  # fmt: skip
+    )
 
 
 def advantages(
     reward: torch.Tensor, components: dict[str, torch.Tensor], run: Run, args: Args
 ) -> torch.Tensor:
     """Advantages (N,) of the weighted total reward, or GDPO's of the group-normalised rewards' sum."""
-    config = grpo.AdvantageConfig(
-        adv_scale=args.adv_scale, adv_baseline=args.adv_baseline, adv_clip=args.adv_clip,
-        multi_objective_aggregation=args.multi_objective_aggregation,
-    )  # fmt: skip
     weights = torch.tensor([r.weight for r in run.reward_fns], device=reward.device)  # (K,)
     stacked = torch.stack(list(components.values()), 1)  # (N, K)
-    return grpo.advantages(reward, stacked, weights, args.group_size, config)
+    return grpo.advantages(reward, stacked, weights, args.group_size, args.adv)
 
 
 @torch.no_grad()
 def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
     """Fill ro.old_logp (mu > 1; at mu = 1 it is logp.detach()), ro.ref_logp (beta > 0) and ro.token_mask
     (top_entropy_quantile < 1: chosen once, from the policy that sampled), chunk by chunk, without grad."""
-    options = dict(temperature=args.temperature)
+    options = dict(temperature=args.sampling.temperature)
 
     def every_chunk(model_options: dict) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         return [speedups.chunk_logprobs(run.model, c, run.speed, **model_options) for c in ro.chunks]
 
-    if args.num_iterations > 1 or args.top_entropy_quantile < 1:
-        entropy = args.top_entropy_quantile < 1
+    quantile = args.loss.top_entropy_quantile
+    if args.num_iterations > 1 or quantile < 1:
+        entropy = quantile < 1
         pairs = every_chunk(dict(options, return_entropy=entropy))  # the policy that sampled
         ro.old_logp = torch.cat([logp for logp, _ in pairs]) if args.num_iterations > 1 else None  # (N, T)
         if entropy:
             entropy = torch.cat([h for _, h in pairs])  # (N, T)
-            pool = distributed.gather_tensor(entropy[ro.mask])  # the quantile is over the global batch's tokens
-            ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, args.top_entropy_quantile, pool=pool)
-    if args.beta > 0:
+            pool = distributed.gather_tensor(
+                entropy[ro.mask]
+            )  # the quantile is over the global batch's tokens
+            ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, quantile, pool=pool)
+    if args.loss.beta > 0:
         with lora.adapters_disabled(run.model):  # the reference policy: the same weights, no adapters
             ro.ref_logp = torch.cat([logp for logp, _ in every_chunk(options)])  # (N, T)
 
@@ -402,22 +294,28 @@ def accumulate_policy_gradient(
     """Recompute logp with grad and backward the GRPO loss, chunk by chunk; returns the loss, its stats and
     this rank's entropy (N, T). Each chunk's loss is normalised by the whole (under torchrun: global) batch's
     rows and tokens, so the summed gradient equals the unchunked one for every loss_type (grpo.aggregate)."""
-    num_rows, num_tokens = distributed.batch_counts(ro.mask)  # all ranks' rows and tokens
+    totals = grpo.BatchTotals(*distributed.batch_counts(ro.mask), args.sampling.max_new_tokens)  # all ranks'
+    config = dataclasses.replace(args.loss, beta=beta)  # this step's beta (adaptive KL may move it)
+    options = dict(temperature=args.sampling.temperature, return_entropy=True)
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in ro.chunks:
-        options = dict(temperature=args.temperature, return_entropy=True)
         logp, entropy = speedups.chunk_logprobs(run.model, chunk, run.speed, **options)  # (n, T) with grad
         old_logp = ro.old_logp[chunk.rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
         ref_logp = ro.ref_logp[chunk.rows] if ro.ref_logp is not None else None
         token_mask = ro.token_mask[chunk.rows] if ro.token_mask is not None else None
         loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, ro.adv[chunk.rows], ro.mask[chunk.rows],
-            config=dataclasses.replace(run.loss, beta=beta), token_mask=token_mask,
-            totals=grpo.BatchTotals(num_rows, num_tokens, args.max_new_tokens),
-        )  # fmt: skip
+            logp,
+            old_logp,
+            ref_logp,
+            ro.adv[chunk.rows],
+            ro.mask[chunk.rows],
+            config=config,
+            token_mask=token_mask,
+            totals=totals,
+        )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
-        share = ro.mask[chunk.rows].sum().item() / num_tokens.item()
+        share = ro.mask[chunk.rows].sum().item() / totals.num_tokens.item()
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
     # Under torchrun each rank holds its share of the global means.
@@ -510,12 +408,17 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
     ids = column("completion_ids", pad=run.tokenizer.pad_token_id)  # (N, T)
     inputs = data.repeat_rows(prompt_batch(run, samples, args), args.group_size).inputs
     return Rollout(
-        inputs=inputs, completion_ids=ids, mask=column("mask", pad=False), truncated=column("truncated"),
+        inputs=inputs,
+        completion_ids=ids,
+        mask=column("mask", pad=False),
+        truncated=column("truncated"),
         texts=[text for group in groups for text in group["texts"]],
         samples=[s for s in samples for _ in range(args.group_size)],
-        reward=reward, components=components, adv=advantages(reward, components, run, args),
+        reward=reward,
+        components=components,
+        adv=advantages(reward, components, run, args),
         chunks=speedups.row_chunks(run.model, inputs, ids, None, run.speed),
-    )  # fmt: skip
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -529,110 +432,101 @@ FP16_REFUSED = (
 
 
 def check_args(args: Args) -> None:
-    """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError)."""
+    """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
+    each settings group checks its own, then the trainer's flags and the rules that span groups."""
+    with cli.user_errors():
+        for group in (args.samples, args.sampling, args.adv, args.loss, args.lora, args.speed):
+            group.check()
     a = args
-    value = lambda flag: getattr(a, flag[2:].replace("-", "_"))  # --batch-size -> a.batch_size
-    counts = ["--max-new-tokens", "--max-prompt-length", "--steps", "--num-iterations",
-              "--max-sampling-rounds", "--lora-last-k", "--lora-r", "--train-size", "--eval-every",
-              "--save-every", "--keep-last", "--log-every"]  # fmt: skip
-    ranges = [(flag, value(flag) >= 1, "must be >= 1") for flag in counts] + [
-        ("--batch-size", a.batch_size >= 1, "must be >= 1 prompt per step"),
-        ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
-        ("--temperature", a.temperature > 0, "must be > 0: at 0 every completion of a group is the same"),
-        ("--top-p", 0 < a.top_p <= 1, "must be in (0, 1]"),
-        ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
-        ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
-        ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
-        ("--max-bad-steps", a.max_bad_steps >= 0, "must be >= 0"),
-        ("--micro-batch-size", a.micro_batch_size is None or a.micro_batch_size >= 1, "must be >= 1"),
-        ("--beta", a.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
-        ("--clip-eps-low", 0 <= a.clip_eps_low < 1, "must be in [0, 1)"),
-        ("--clip-eps-high", a.clip_eps_high >= 0, "must be >= 0"),
-        ("--adv-clip", a.adv_clip is None or a.adv_clip > 0, "must be > 0"),
-        ("--kl-adapt-factor", a.kl_adapt_factor > 1, "must be > 1"),
-        ("--delta", a.delta is None or a.delta > 1 + a.clip_eps_high, "must be > 1 + --clip-eps-high"),
-        ("--sapo-temperature-pos", a.sapo_temperature_pos > 0, "must be > 0"),
-        ("--sapo-temperature-neg", a.sapo_temperature_neg > 0, "must be > 0"),
-        ("--top-entropy-quantile", 0 < a.top_entropy_quantile <= 1, "must be in (0, 1]"),
-        ("--lora-alpha", a.lora_alpha > 0, "must be > 0"),
-        ("--lora-dropout", 0 <= a.lora_dropout < 1, "must be in [0, 1)"),
-        ("--eval-size", a.eval_size >= 0, "must be >= 0"),
-        ("--log-completions-every", a.log_completions_every >= 0, "must be >= 0 (0: never)"),
+    ranges = [
+        ("--steps", a.steps, a.steps >= 1, "must be >= 1"),
+        ("--batch-size", a.batch_size, a.batch_size >= 1, "must be >= 1 prompt per step"),
+        (
+            "--group-size",
+            a.group_size,
+            a.group_size >= 2,
+            "must be >= 2: each completion is compared with its group",
+        ),
+        ("--num-iterations", a.num_iterations, a.num_iterations >= 1, "must be >= 1"),
+        ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, "must be >= 1"),
+        (
+            "--lr",
+            a.lr,
+            a.lr > 0 and math.isfinite(a.lr),
+            "must be a positive number (e.g. 2e-5 on real models)",
+        ),
+        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, "must be >= 0"),
+        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "must be > 0"),
+        ("--max-bad-steps", a.max_bad_steps, a.max_bad_steps >= 0, "must be >= 0"),
+        ("--log-every", a.log_every, a.log_every >= 1, "must be >= 1"),
+        (
+            "--log-completions-every",
+            a.log_completions_every,
+            a.log_completions_every >= 0,
+            "must be >= 0 (0: never)",
+        ),
+        ("--eval-every", a.eval_every, a.eval_every >= 1, "must be >= 1"),
+        ("--save-every", a.save_every, a.save_every >= 1, "must be >= 1"),
+        ("--keep-last", a.keep_last, a.keep_last >= 1, "must be >= 1"),
         # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
         # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
-        ("--dtype", a.dtype != "float16", FP16_REFUSED),
-    ]  # fmt: skip
-    for flag, ok, message in ranges:
-        cli.check(ok, flag, f"{message}, got {value(flag)}")
-    low, high = a.kl_target_low, a.kl_target_high
-    cli.check((low is None) == (high is None), "--kl-target-low/--kl-target-high", "give both or neither")
-    cli.check(low is None or 0 <= low < high, "--kl-target-low", "must be >= 0 and < --kl-target-high")
+        ("--dtype", a.dtype, a.dtype != "float16", FP16_REFUSED),
+    ]
+    for flag, value, ok, message in ranges:
+        cli.check(ok, flag, f"{message}, got {value}")
     cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
-    normalize_first = a.multi_objective_aggregation == "normalize_then_sum"
-    cli.check(not (normalize_first and a.gate), "--gate", "has no meaning with normalize_then_sum (no total)")
-    files = [("--data", path) for path in a.data] + [("--eval-data", a.eval_data)]
-    for flag, path in [*files, ("--prompt-template", a.prompt_template)]:
-        cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
+    normalize_first = a.adv.multi_objective_aggregation == "normalize_then_sum"
+    no_total = "has no meaning with normalize_then_sum (no total)"
+    cli.check(not (normalize_first and a.rewards.gate), "--gate", no_total)
     required = "is required with --data (e.g. --reward label format)"
-    cli.check(bool(a.reward or not a.data), "--reward", required)
+    cli.check(bool(a.rewards.reward or not a.samples.data), "--reward", required)
 
 
 def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
     """The sampler's keyword arguments from the flags and the checkpoint's end-of-turn ids."""
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    return data.sampling_options(tokenizer, generation_config, **options)
-
-
-def loss_options(args: Args) -> grpo.LossConfig:
-    """The loss's settings from the flags: the objective and its variants (the step passes its own beta)."""
-    return grpo.LossConfig(
-        loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level, beta=args.beta,
-        clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high, delta=args.delta,
-        sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
-        top_entropy_quantile=args.top_entropy_quantile, use_bias_correction_kl=args.use_bias_correction_kl,
-        kl_target_low=args.kl_target_low, kl_target_high=args.kl_target_high,
-        kl_adapt_factor=args.kl_adapt_factor,
-    )  # fmt: skip
+    config = args.sampling
+    return data.sampling_options(
+        tokenizer,
+        generation_config,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+    )
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
-    names = args.reward or tasks.TASK_REWARDS[task]
-    return rewards.rewards_from_flags(names, args.reward_weight, args.gate, builtins)
+    config = args.rewards
+    names = config.reward or tasks.TASK_REWARDS[task]
+    return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins)
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
-    train_samples, held_out = data.load_samples(
-        args.data, args.eval_data, task=args.task, train_size=args.train_size, eval_size=args.eval_size,
-        seed=args.seed, prompt_template=args.prompt_template,
-    )  # fmt: skip
+    train_samples, held_out = data.load_samples(args.samples, seed=args.seed)
     too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
     cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
-    reward_fns = resolve_rewards(args, None if args.data else args.task)
-    accuracy_name, names = args.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
+    reward_fns = resolve_rewards(args, None if args.samples.data else args.samples.task)
+    accuracy_name, names = args.rewards.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
-    data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)  # before the length check
+    data.set_pixel_budget(
+        image_processor, args.samples.min_pixels, args.samples.max_pixels
+    )  # before the length check
     with cli.user_errors("--box-frame: "):
-        box_frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, names)
+        box_frame = grounding.resolve_frame(
+            args.rewards.box_frame, model.config.model_type, image_processor, names
+        )
     resized = data.check_samples(
-        train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.max_prompt_length
+        train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.samples.max_prompt_length
     )
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
-    lora_config = lora.LoRAConfig(
-        lora_last_k=args.lora_last_k,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_fp32=args.lora_fp32,
-        lora_dropout=args.lora_dropout,
-    )
-    lora.inject_lora(model, lora_config)
+    lora.inject_lora(model, args.lora)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
     ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
@@ -640,20 +534,31 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
     return Run(
-        model=model, tokenizer=tokenizer, image_processor=image_processor, device=device,
-        optimizer=optimizer, scheduler=scheduler,
-        train_samples=train_samples, held_out=held_out, held_out_ablated=ablated, reward_fns=reward_fns,
-        accuracy_name=accuracy_name, box_frame=box_frame,
-        sampling=sampling_options(args, tokenizer, model.generation_config), loss=loss_options(args),
-        speed=speedups.choose(model, speed, last_k=args.lora_last_k), rank=rank, world=world,
-    )  # fmt: skip
+        model=model,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        device=device,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_samples=train_samples,
+        held_out=held_out,
+        held_out_ablated=ablated,
+        reward_fns=reward_fns,
+        accuracy_name=accuracy_name,
+        box_frame=box_frame,
+        sampling=sampling_options(args, tokenizer, model.generation_config),
+        speed=speedups.choose(model, args.speed, last_k=args.lora.lora_last_k),
+        rank=rank,
+        world=world,
+    )
 
 
 def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
     params = lora.lora_parameters(run.model)
     ranks = f"; {run.world} ranks x {args.batch_size} prompts" if run.world > 1 else ""
+    k, r = args.lora.lora_last_k, args.lora.lora_r
     return (
-        f"{args.model}: LoRA r={args.lora_r} on {len(params) // 2} modules of the last {args.lora_last_k} "
+        f"{args.model}: LoRA r={r} on {len(params) // 2} modules of the last {k} "
         f"blocks, {sum(p.numel() for p in params):,} trainable parameters; {len(run.train_samples)} training "
         f"samples; {run.device}, {dtype}{ranks}"
     )
@@ -666,9 +571,13 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
     """A checkpoint folder (model_io.save_checkpoint): the adapter, and the state --resume reads back."""
     state = dict(
-        step=step, beta=beta, run_id=run_id, optimizer=run.optimizer.state_dict(),
-        scheduler=run.scheduler.state_dict(), args=dataclasses.asdict(args),
-    )  # fmt: skip
+        step=step,
+        beta=beta,
+        run_id=run_id,
+        optimizer=run.optimizer.state_dict(),
+        scheduler=run.scheduler.state_dict(),
+        args=dataclasses.asdict(args),
+    )
     adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
     model_io.save_checkpoint(
         directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
@@ -753,7 +662,7 @@ def dry_run(run: Run, args: Args) -> dict:
     print(f"trainable parameters: {sum(p.numel() for p in params):,} in {len(params) // 2} LoRA modules")
     ro = rollout(run, data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed), args)
     frozen_logprobs(run, ro, args)
-    loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.beta)  # no optimizer step
+    loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.loss.beta)  # no optimizer step
     run.model.zero_grad(set_to_none=True)
     for i, (text, r, a) in enumerate(zip(ro.texts, ro.reward.tolist(), ro.adv.tolist())):
         print(f"row {i:3d}  reward {r:.2f}  adv {a:+.2f}  {text!r}")
@@ -763,6 +672,41 @@ def dry_run(run: Run, args: Args) -> dict:
 
 # --------------------------------------------------------------------------------------------------
 # Main: check, set up, then the loop: step -> log -> evaluate -> checkpoint
+
+
+def train_loop(
+    run: Run,
+    args: Args,
+    stop: cli.Signals,
+    log: logs.StepLog | None,
+    out: Path,
+    start_step: int,
+    beta: float,
+    run_id: str,
+) -> dict:
+    """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
+    bad_in_a_row = 0
+    for step in range(start_step + 1, args.steps + 1):
+        record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
+        completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
+        if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
+            beta = grpo.adapt_beta(beta, record["kl"], args.loss)
+        bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+        if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
+            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                record.update(evaluate(run, args))
+            log.step(record, timings, completions, bad_in_a_row)
+        halt = halt_reason(stop, bad_in_a_row, args)
+        if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
+            save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
+        if halt:
+            distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
+            again = f"python train.py --resume {out} <the same flags, --steps may grow>"
+            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: {again}"
+            if stop.requests:
+                raise cli.Stopped(message)
+            raise SystemExit(message)
+    return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 
 def main(args: Args) -> dict:
@@ -783,7 +727,7 @@ def main(args: Args) -> dict:
             run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
         if args.dry_run:
             return dry_run(run, args)
-        start_step, beta, run_id = 0, args.beta, uuid.uuid4().hex
+        start_step, beta, run_id = 0, args.loss.beta, uuid.uuid4().hex
         if mode == "resume":
             start_step, beta, run_id = resume_from(args.resume, out, run)
             print_if(writer, f"resumed {out} from step {start_step}")
@@ -796,9 +740,16 @@ def main(args: Args) -> dict:
             with cli.user_errors():
                 tracker = logs.open_tracker(args.report_to, out, dataclasses.asdict(args), run_name=out.name)
             log = logs.StepLog(
-                out, tracker, time.time(), start_step, args.steps, args.log_every, args.group_size,
-                args.temperature, accuracy=(first or {}).get("eval/accuracy"),
-            )  # fmt: skip
+                out,
+                tracker,
+                time.time(),
+                start_step,
+                args.steps,
+                args.log_every,
+                args.group_size,
+                args.sampling.temperature,
+                accuracy=(first or {}).get("eval/accuracy"),
+            )
             if first is not None:
                 log.first(first)
         distributed.barrier()
@@ -809,37 +760,8 @@ def main(args: Args) -> dict:
                 log.close()
 
 
-def train_loop(
-    run: Run, args: Args, stop: cli.Signals, log: logs.StepLog | None, out: Path, start_step: int,
-    beta: float, run_id: str,
-) -> dict:  # fmt: skip
-    """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
-    bad_in_a_row = 0
-    for step in range(start_step + 1, args.steps + 1):
-        record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
-        completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
-        if args.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
-            beta = grpo.adapt_beta(beta, record["kl"], run.loss)
-        bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-        if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
-            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                record.update(evaluate(run, args))
-            log.step(record, timings, completions, bad_in_a_row)
-        halt = halt_reason(stop, bad_in_a_row, args)
-        if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
-            save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
-        if halt:
-            distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
-            again = f"python train.py --resume {out} <the same flags, --steps may grow>"
-            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: {again}"
-            if stop.requests:
-                raise cli.Stopped(message)
-            raise SystemExit(message)
-    return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
-
-
 if __name__ == "__main__":
     try:
-        cli.run(main, tyro.cli(Args))
+        cli.run(main, tyro.cli(Args, config=(tyro.conf.OmitArgPrefixes,)))
     finally:
         distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

@@ -211,17 +211,11 @@ def accumulate_policy_gradient(
     """train.py's policy gradient in one process: logp with grad and the GRPO loss's backward, chunk by
     chunk, each normalised by the whole batch's rows and tokens; returns loss, stats and entropy (N, T)."""
     num_rows, num_tokens = mask.shape[0], mask.sum().clamp(min=1)
-    config = grpo.LossConfig(
-        loss_type=args.loss_type,
-        beta=args.beta,
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
-    )
-    totals = grpo.BatchTotals(num_rows, num_tokens, max_completion_length=args.max_new_tokens)
+    totals = grpo.BatchTotals(num_rows, num_tokens, args.sampling.max_new_tokens)
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in chunks:
         rows = chunk.rows
-        options = dict(temperature=args.temperature, return_entropy=True)
+        options = dict(temperature=args.sampling.temperature, return_entropy=True)
         logp, entropy = speedups.chunk_logprobs(model, chunk, plan, **options)  # (n, T) with grad
         loss, stats = grpo.grpo_loss(
             logp,
@@ -229,7 +223,7 @@ def accumulate_policy_gradient(
             ref_logp[rows] if ref_logp is not None else None,
             adv[rows],
             mask[rows],
-            config,
+            args.loss,
             totals=totals,
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
@@ -245,10 +239,7 @@ def run_step(
 ) -> int:
     """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
     inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
-    speed = speedups.SpeedConfig(
-        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
-    )
-    plan = speedups.choose(model, speed, last_k=args.lora_last_k)
+    plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
     with record("sampling"):
@@ -259,9 +250,9 @@ def run_step(
             inputs if plain else batch.inputs,
             plan,
             group_size=1 if plain else args.group_size,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
+            max_new_tokens=args.sampling.max_new_tokens,
+            temperature=args.sampling.temperature,
+            top_p=args.sampling.top_p,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             suppress_token_ids=data.suppressed_tokens(tokenizer),
@@ -273,7 +264,7 @@ def run_step(
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
         chunks = speedups.row_chunks(model, inputs, ids, recording, plan)
     old_logp = None
-    options = dict(temperature=args.temperature)
+    options = dict(temperature=args.sampling.temperature)
     with record("reference/old"), torch.no_grad():
         if args.num_iterations > 1:
             old_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
@@ -294,28 +285,20 @@ def run_step(
 
 
 def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
-    common = dict(
-        lora_last_k=config.K,
-        lora_r=config.r,
-        batch_size=config.B,
-        group_size=config.G,
-        max_new_tokens=config.T,
-        num_iterations=bench.num_iterations,
-    )
     if plain:
-        return train.Args(
-            **common,
-            shared_prefill=False,
-            trunk_reuse=False,
-            micro_batch_size=None,
-            gradient_checkpointing=False,
+        speed = speedups.SpeedConfig(shared_prefill=False, trunk_reuse=False)
+    else:
+        checkpointing = bench.gradient_checkpointing
+        speed = speedups.SpeedConfig(
+            micro_batch_size=bench.micro_batch_size, gradient_checkpointing=checkpointing
         )
     return train.Args(
-        **common,
-        shared_prefill=True,
-        trunk_reuse=True,
-        micro_batch_size=bench.micro_batch_size,
-        gradient_checkpointing=bench.gradient_checkpointing,
+        batch_size=config.B,
+        group_size=config.G,
+        num_iterations=bench.num_iterations,
+        sampling=grpo.SamplingConfig(max_new_tokens=config.T),
+        lora=lora.LoRAConfig(lora_last_k=config.K, lora_r=config.r),
+        speed=speed,
     )
 
 

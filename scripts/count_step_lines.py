@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import tyro
+
 import train
 
 PROJECT_FILES = {str(p) for p in ROOT.glob("*.py")}
@@ -82,20 +84,13 @@ def count(called: set[tuple[str, int, str]], verbose: bool = False) -> tuple[dic
 def main() -> None:
     paths = {
         "default": [],
-        "plain (--no-shared-prefill --no-trunk-reuse)": ["no_shared_prefill", "no_trunk_reuse"],
+        "plain (--no-shared-prefill --no-trunk-reuse)": ["--no-shared-prefill", "--no-trunk-reuse"],
     }
     for label, off in paths.items():
         with tempfile.TemporaryDirectory() as tmp:
-            args = train.Args(
-                steps=1,
-                batch_size=4,
-                group_size=4,
-                train_size=16,
-                eval_size=0,
-                output_dir=f"{tmp}/run",
-                shared_prefill="no_shared_prefill" not in off,
-                trunk_reuse="no_trunk_reuse" not in off,
-            )
+            flags = ["--steps", "1", "--batch-size", "4", "--group-size", "4", "--train-size", "16"]
+            flags += ["--eval-size", "0", "--output-dir", f"{tmp}/run", *off]
+            args = tyro.cli(train.Args, args=flags, config=(tyro.conf.OmitArgPrefixes,))
             per_module, functions = count(traced_step(args), verbose="-v" in sys.argv)
         body, whole = (sum(n[k] for n in per_module.values()) for k in (0, 1))
         ranked = sorted(per_module.items(), key=lambda kv: -kv[1][0])

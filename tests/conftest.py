@@ -13,6 +13,7 @@ Tests run torch on one thread: the models are tiny, and on a 2-core machine the 
 multi-threaded matmul costs more than the matmul (the suite is several times faster this way).
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -180,11 +181,25 @@ def make_run(model, args, **fields):
     import speedups
     import train
 
-    speed = speedups.SpeedConfig(
-        args.shared_prefill, args.trunk_reuse, args.micro_batch_size, args.gradient_checkpointing
-    )
     tokenizer = fields.get("tokenizer")
     sampling = train.sampling_options(args, tokenizer) if tokenizer is not None else {}
-    plan = speedups.choose(model, speed, last_k=args.lora_last_k)
-    options = dict(sampling=sampling, loss=train.loss_options(args), speed=plan)
+    plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
+    options = dict(sampling=sampling, speed=plan)
     return train.Run(model=model, **options, **fields)
+
+
+def train_args(**flags):
+    """train.Args from flat flag names (`beta=0.1`, `micro_batch_size=4`), each handed to the settings group
+    that owns it, as the command line does (`--beta 0.1`)."""
+    import train
+
+    groups = {
+        f.name: f.default_factory
+        for f in dataclasses.fields(train.Args)
+        if f.default_factory is not dataclasses.MISSING
+    }
+    owner = {g.name: name for name, cls in groups.items() for g in dataclasses.fields(cls)}
+    nested = {
+        name: cls(**{k: v for k, v in flags.items() if owner.get(k) == name}) for name, cls in groups.items()
+    }
+    return train.Args(**{k: v for k, v in flags.items() if k not in owner}, **nested)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_args
 
 import cli
 import model_io
@@ -26,7 +27,7 @@ SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=
 
 
 def small_args(output_dir: Path | None, **overrides) -> train.Args:
-    return train.Args(output_dir=None if output_dir is None else str(output_dir), **{**SMALL, **overrides})
+    return train_args(output_dir=None if output_dir is None else str(output_dir), **{**SMALL, **overrides})
 
 
 def tree_digest(folder: Path) -> dict[str, str]:

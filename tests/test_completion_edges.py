@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, VISION_END_ID, VISION_START_ID, make_random_vlm
+from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, VISION_END_ID, VISION_START_ID, make_random_vlm, train_args
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
 
@@ -170,7 +170,7 @@ def test_evaluate_reports_blank_image_columns_beside_the_real_ones(tmp_path):
 
 
 def test_training_logs_the_blank_image_accuracy_at_each_evaluation(tmp_path):
-    args = train.Args(
+    args = train_args(
         steps=1, batch_size=2, group_size=2, max_new_tokens=8, train_size=4, eval_size=4,
         output_dir=str(tmp_path / "run"), eval_image_ablation="blank",
     )  # fmt: skip

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run
+from conftest import make_run, train_args
 from safetensors.torch import load_file
 
 import data
@@ -41,7 +41,7 @@ TIMEOUT_S = 120
 
 
 def update_args(loss_type: str) -> train.Args:
-    return train.Args(
+    return train_args(
         device="cpu",
         batch_size=B,
         group_size=G,
@@ -106,7 +106,7 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
         scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
         run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world_size)
         ro = rank_rollout(run, fixed, args, rank, world_size)
-        stats = train.policy_update(run, ro, args, args.beta)
+        stats = train.policy_update(run, ro, args, args.loss.beta)
         results[loss_type] = {
             "grads": [p.grad.clone() for p in params],
             "params": [p.detach().clone() for p in params],
@@ -255,8 +255,8 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
 def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:
     """groups_with_signal at steps 1..3 on text prompts with `scripted_rollout`: what each step trains on."""
     tokenizer = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[1]
-    args = train.Args(batch_size=batch_size, group_size=G, dynamic_sampling=True, max_sampling_rounds=3)
-    args.trunk_reuse = args.shared_prefill = False
+    args = train_args(batch_size=batch_size, group_size=G, dynamic_sampling=True, max_sampling_rounds=3)
+    args.speed.trunk_reuse = args.speed.shared_prefill = False
     run = make_run(None, args, tokenizer=tokenizer, rank=rank, world=world_size)
     run.train_samples = [{"id": i, "prompt": f"question {i}"} for i in range(40)]
     real_rollout, train.rollout = train.rollout, scripted_rollout  # extra rounds sample through it

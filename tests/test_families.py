@@ -33,6 +33,7 @@ from conftest import (
     VLM_FAMILIES,
     make_random_model,
     save_random_checkpoint,
+    train_args,
 )
 from test_grpo import hand_completions, sample, text_inputs, vlm_inputs
 from test_speed import SAMPLING, K, assert_same, logprobs_and_grads
@@ -146,7 +147,7 @@ def train_one_step(model_dir: Path, out: Path, reward: str, **flags) -> dict:
         reward=(reward,), train_size=4, eval_size=0, batch_size=2, group_size=G, max_new_tokens=6, steps=1,
         lora_last_k=K, num_iterations=2,
     )  # fmt: skip
-    train.main(train.Args(**(options | flags)))
+    train.main(train_args(**(options | flags)))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     return record | {"completions": [row["completion"] for row in rows]}

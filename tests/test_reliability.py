@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_args
 from PIL import Image
 
 import cli
@@ -39,7 +40,7 @@ SMALL = dict(
 
 
 def small_args(out: Path, **overrides) -> train.Args:
-    return train.Args(output_dir=str(out), **{**SMALL, **overrides})
+    return train_args(output_dir=str(out), **{**SMALL, **overrides})
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -117,7 +118,9 @@ def dying_save(obj, path, *args, **kwargs):
         os._exit(9)
     return real_save(obj, path, *args, **kwargs)
 model_io.torch.save = dying_save
-train.main(train.Args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from conftest import train_args
+train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
 """
     child = subprocess.run(
         [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300

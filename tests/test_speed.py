@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm, make_run
+from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm, make_run, train_args
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
 
 import grpo
@@ -131,7 +131,7 @@ def count_encoded_images(model) -> list[int]:
 @pytest.mark.parametrize("micro_batch_size, expected", [(None, [3]), (4, [3, 1])])
 def test_a_trunk_step_encodes_each_prompts_images_once_not_once_per_row(micro_batch_size, expected):
     model = lora_model("vlm")  # 2 prompts with 2 + 1 images, G = 3: the N = 6 rows hold 9 images
-    args = train.Args(lora_last_k=K, beta=0.1, num_iterations=2, micro_batch_size=micro_batch_size)
+    args = train_args(lora_last_k=K, beta=0.1, num_iterations=2, micro_batch_size=micro_batch_size)
     ro = hand_rollout(model, args)  # captures the trunk (its own plain log-probs run before the hook)
     encoded = count_encoded_images(model)
     run = make_run(model, args)
@@ -351,7 +351,7 @@ def test_a_recorded_trunk_refuses_completions_with_image_placeholders():
 
 def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
     model, G = lora_model("vlm"), 3
-    args = train.Args(
+    args = train_args(
         lora_last_k=K, group_size=G, temperature=1.0, micro_batch_size=4
     )  # chunks of 4 + 2 rows
     torch.manual_seed(0)
@@ -370,7 +370,10 @@ def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
     assert [c.rows for c in chunks] == [slice(0, 4), slice(4, 6)]
     with torch.no_grad():
         ours = torch.cat(
-            [speedups.chunk_logprobs(model, c, run.speed, temperature=args.temperature)[0] for c in chunks]
+            [
+                speedups.chunk_logprobs(model, c, run.speed, temperature=args.sampling.temperature)[0]
+                for c in chunks
+            ]
         )
         full, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
     torch.testing.assert_close(ours, full, atol=1e-5, rtol=0)
@@ -396,7 +399,7 @@ def hand_rollout(model, args: train.Args) -> train.Rollout:
     mask, truncated = grpo.completion_mask(ids, eos_token_id=1)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        logp, _ = grpo.completion_logprobs(model, inputs, ids, temperature=args.temperature)
+        logp, _ = grpo.completion_logprobs(model, inputs, ids, temperature=args.sampling.temperature)
     old_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)  # ratios far enough from 1 to clip
     ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
@@ -423,7 +426,7 @@ def test_micro_batched_gradients_equal_unchunked_for_every_loss_type(loss_type):
     results = {}
     # (trunk_reuse, micro_batch_size); 4 gives uneven chunks (4 + 2) that cut between the prompts' rows.
     for trunk_reuse, micro_batch_size in ((False, None), (False, 4), (True, 4), (True, 1)):
-        args = train.Args(
+        args = train_args(
             lora_last_k=K,
             loss_type=loss_type,
             beta=0.1,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_args
 from PIL import Image, ImageDraw
 
 import cli
@@ -396,7 +397,7 @@ def test_stage_b_trains_on_stage_a_output_without_conversion(tmp_path):
     sp.main(small_args(tmp_path, photos, labels=str(labels)))
 
     summary = train.main(
-        train.Args(
+        train_args(
             data=(str(out),), prompt_template=str(ROOT / "assets" / "summaries_template.txt"),
             reward=("label", "format"), steps=2, batch_size=2, group_size=2, eval_size=0, max_new_tokens=8,
             output_dir=str(tmp_path / "stage_b"), device="cpu", seed=0,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run
+from conftest import make_run, train_args
 from PIL import Image
 
 import cli
@@ -47,7 +47,7 @@ def small_args(output_dir: Path, **overrides) -> train.Args:
         seed=0,
     )
     kwargs.update(overrides)
-    return train.Args(**kwargs)
+    return train_args(**kwargs)
 
 
 def load_tiny_with_lora(seed: int = 0):
@@ -68,9 +68,9 @@ def make_rollout(
     model, tokenizer, image_processor, args: train.Args, *, step: int = 0
 ) -> tuple[train.Run, train.Rollout]:
     """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
-    samples = tasks.make_task(args.task, args.train_size, seed=args.seed)
+    samples = tasks.make_task(args.samples.task, args.samples.train_size, seed=args.seed)
     prompts = data.batch_for_step(samples, step, args.batch_size, args.seed)
-    reward_fns = train.resolve_rewards(args, args.task)
+    reward_fns = train.resolve_rewards(args, args.samples.task)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
     torch.manual_seed(1000 + step)  # the sampling draws
     ro = train.rollout(run, prompts, args)
@@ -113,7 +113,7 @@ def test_every_sampling_and_recompute_path_gives_the_same_rollout_and_gradient(t
                     m.lora_B.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(5))
             run, ro = make_rollout(model, tokenizer, image_processor, args)
             model.zero_grad(set_to_none=True)
-            loss, _, _ = train.accumulate_policy_gradient(run, ro, args, args.beta)
+            loss, _, _ = train.accumulate_policy_gradient(run, ro, args, args.loss.beta)
             grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
             results[shared_prefill, trunk_reuse] = (ro, loss, grads)
     ro, loss, grads = results[False, False]  # generate + full forwards: the plain path
@@ -139,7 +139,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
 
     run, ro = make_rollout(model, tokenizer, image_processor, args, step=0)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.beta)
+    train.policy_update(run, ro, args, args.loss.beta)
     after_one = snapshot(model)
     # Step 1: B = 0, so dL/dA = B^T (dL/dy) x^T is exactly 0. AdamW with a zero gradient and weight_decay 0
     # leaves a parameter bit-for-bit unchanged (exp_avg = 0, the update is 0 / (0 + eps)), so every A is
@@ -150,7 +150,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
 
     run, ro = make_rollout(model, tokenizer, image_processor, args, step=1)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.beta)
+    train.policy_update(run, ro, args, args.loss.beta)
     after_two = snapshot(model)
     # Step 2: B != 0 now, so A gets a gradient too: every LoRA tensor has changed.
     for name in lora_modules(model):
@@ -165,14 +165,18 @@ def test_at_step_zero_every_A_gets_exactly_zero_gradient_and_every_B_a_nonzero_o
     args = small_args(tmp_path, batch_size=4)
     model, tokenizer, image_processor = load_tiny_with_lora()
     _, ro = make_rollout(model, tokenizer, image_processor, args)
-    logp, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
-    config = grpo.LossConfig(
-        loss_type=args.loss_type,
-        beta=args.beta,
-        clip_eps_low=args.clip_eps_low,
-        clip_eps_high=args.clip_eps_high,
+    logp, _ = grpo.completion_logprobs(
+        model, ro.inputs, ro.completion_ids, temperature=args.sampling.temperature
     )
-    totals = grpo.BatchTotals(ro.mask.shape[0], ro.mask.sum(), max_completion_length=args.max_new_tokens)
+    config = grpo.LossConfig(
+        loss_type=args.loss.loss_type,
+        beta=args.loss.beta,
+        clip_eps_low=args.loss.clip_eps_low,
+        clip_eps_high=args.loss.clip_eps_high,
+    )
+    totals = grpo.BatchTotals(
+        ro.mask.shape[0], ro.mask.sum(), max_completion_length=args.sampling.max_new_tokens
+    )
     loss, _ = grpo.grpo_loss(logp, logp.detach(), ro.ref_logp, ro.adv, ro.mask, config, totals=totals)
     loss.backward()
     modules = lora_modules(model)
@@ -211,15 +215,17 @@ def test_loss_reaches_lora_parameters_only_through_the_recompute(tmp_path):
     for name, tensor in generated.items():
         assert tensor is not None, name
         assert not tensor.requires_grad, name
-    logp, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
+    logp, _ = grpo.completion_logprobs(
+        model, ro.inputs, ro.completion_ids, temperature=args.sampling.temperature
+    )
     assert logp.requires_grad
 
     def loss_of(logp_in):
         config = grpo.LossConfig(
-            loss_type=args.loss_type,
-            beta=args.beta,
-            clip_eps_low=args.clip_eps_low,
-            clip_eps_high=args.clip_eps_high,
+            loss_type=args.loss.loss_type,
+            beta=args.loss.beta,
+            clip_eps_low=args.loss.clip_eps_low,
+            clip_eps_high=args.loss.clip_eps_high,
         )
         return grpo.grpo_loss(logp_in, ro.old_logp, ro.ref_logp, ro.adv, ro.mask, config)[0]
 
@@ -266,7 +272,7 @@ def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forwar
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.beta)
+    train.policy_update(run, ro, args, args.loss.beta)
     hook.remove()
 
     assert len(seen_inputs) == 1 and len(seen_forward) == 1  # one recompute, with grad, of all N rows
@@ -354,8 +360,12 @@ def test_rollout_records_the_trunk_while_sampling_with_every_image_encoded_once(
     assert torch.equal(forward_kwargs["mm_token_type_ids"][:, :P], ro.inputs["mm_token_type_ids"])
     # The recorded trunk gives the log-probs of a full forward with the images.
     with torch.no_grad():
-        full, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=args.temperature)
-        recorded, _ = speedups.chunk_logprobs(model, ro.chunks[0], run.speed, temperature=args.temperature)
+        full, _ = grpo.completion_logprobs(
+            model, ro.inputs, ro.completion_ids, temperature=args.sampling.temperature
+        )
+        recorded, _ = speedups.chunk_logprobs(
+            model, ro.chunks[0], run.speed, temperature=args.sampling.temperature
+        )
     torch.testing.assert_close(recorded[ro.mask], full[ro.mask], atol=1e-5, rtol=0)
 
 

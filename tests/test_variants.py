@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_args
 
 import grpo
 
@@ -224,7 +225,7 @@ VARIANT_FLAGS = {
 def test_every_variant_trains_end_to_end_without_a_skipped_step(tmp_path, variant):
     import train
 
-    args = train.Args(
+    args = train_args(
         output_dir=str(tmp_path / "run"), device="cpu", train_size=16, eval_size=0, batch_size=2,
         group_size=4, max_new_tokens=8, steps=2, warmup_steps=1, **VARIANT_FLAGS[variant],
     )  # fmt: skip
@@ -243,14 +244,12 @@ HALF_CONSTANT = (
 
 
 def dynamic_args(out, plugin, **overrides):
-    import train
-
     kwargs = dict(
         output_dir=str(out), device="cpu", train_size=32, eval_size=0, batch_size=2, group_size=4,
         max_new_tokens=8, steps=3, save_every=1, warmup_steps=5, dynamic_sampling=True,
         reward=(f"{plugin}:reward",),
     )  # fmt: skip
-    return train.Args(**{**kwargs, **overrides})
+    return train_args(**{**kwargs, **overrides})
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_more_prompts(tmp_path):
