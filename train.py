@@ -11,12 +11,13 @@
 Reading order: the objective in grpo.py's docstring -> `grpo.grpo_loss` -> `grpo.group_advantages` -> the step
 below (`train_step`: `rollout`, `frozen_logprobs`, `policy_update`) -> speedups.py. The plain path,
 `--no-shared-prefill --no-trunk-reuse`, is the reference: transformers' generate, then one full forward per
-log-prob pass. The defaults re-arrange it exactly (speedups.py, proven equal by tests/test_speed.py).
+log-prob pass; the defaults re-arrange it (speedups.py), with the same tokens and log-probs equal to rounding.
 
 One step: sample G completions of each of B prompts (no grad) -> rewards -> group advantages -> old and
 reference log-probs (no grad; the reference is the model with its adapters off) -> the completion log-probs
 WITH gradient (same images, masks, temperature) -> PPO-clip + KL loss -> optimizer step on LoRA only -> log.
-This file holds the configuration (`Args`), the step, then set-up, resume, checkpoints, logging and `main`.
+Under torchrun every rank runs the same text: the collectives of distributed.py return their argument in one
+process. This file holds `Args`, the step, then set-up, resume, checkpoints, evaluation and `main`, last.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ import speedups
 import tasks
 
 
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
 @dataclass
 class Args:
     """The command line: the trainer's own flags, then each module's settings group (defined beside the code
-    it configures). Every flag keeps a flat name, `--beta` not `--loss.beta` (tyro.conf.OmitArgPrefixes)."""
+    it configures)."""
 
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint, or a text-only causal LM.
@@ -279,9 +281,7 @@ def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
         ro.old_logp = torch.cat([logp for logp, _ in pairs]) if args.num_iterations > 1 else None  # (N, T)
         if entropy:
             entropy = torch.cat([h for _, h in pairs])  # (N, T)
-            pool = distributed.gather_tensor(
-                entropy[ro.mask]
-            )  # the quantile is over the global batch's tokens
+            pool = distributed.gather_tensor(entropy[ro.mask])  # the quantile is over the global batch
             ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, quantile, pool=pool)
     if args.loss.beta > 0:
         with lora.adapters_disabled(run.model):  # the reference policy: the same weights, no adapters
@@ -762,6 +762,6 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     try:
-        cli.run(main, tyro.cli(Args, config=(tyro.conf.OmitArgPrefixes,)))
+        cli.run(main, tyro.cli(Args))
     finally:
         distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

@@ -90,7 +90,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             flags = ["--steps", "1", "--batch-size", "4", "--group-size", "4", "--train-size", "16"]
             flags += ["--eval-size", "0", "--output-dir", f"{tmp}/run", *off]
-            args = tyro.cli(train.Args, args=flags, config=(tyro.conf.OmitArgPrefixes,))
+            args = tyro.cli(train.Args, args=flags)
             per_module, functions = count(traced_step(args), verbose="-v" in sys.argv)
         body, whole = (sum(n[k] for n in per_module.values()) for k in (0, 1))
         ranked = sorted(per_module.items(), key=lambda kv: -kv[1][0])
