@@ -45,6 +45,7 @@ import lora
 import model_io
 import rewards
 import speedups
+import trackers
 
 
 @dataclass
@@ -790,7 +791,9 @@ def main(args: Args) -> dict:
         if writer:
             model_io.open_run_folder(out, mode, run_id, start_step, dataclasses.asdict(args))
             with cli.user_errors():
-                tracker = logs.open_tracker(args.report_to, out, dataclasses.asdict(args), run_name=out.name)
+                tracker = trackers.open_tracker(
+                    args.report_to, out, dataclasses.asdict(args), run_name=out.name
+                )
             log = logs.StepLog(
                 out, tracker, time.time(), start_step, args.steps, args.log_every, args.group_size,
                 args.temperature, accuracy=(first or {}).get("eval/accuracy"),
