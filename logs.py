@@ -1,32 +1,21 @@
-"""What a run leaves behind besides its adapter: JSONL housekeeping, one record per sampled completion, the
-progress line, the curves PNG and, on request, an experiment tracker (TensorBoard, Weights & Biases, trackio).
+"""What a run leaves behind besides its adapter: metrics, timings and one record per sampled completion as
+JSONL, the progress line and the curves PNG (trackers.py mirrors the metrics to an experiment tracker).
+Imports the standard library and matplotlib, nothing from this project.
 
 Legend: `B` prompts, `G` completions per prompt (the group), `N = B*G` rows; rows [g*G, (g+1)*G) are
 prompt g's group.
 
-Imports the standard library and matplotlib; torch's SummaryWriter and the wandb / trackio packages are
-imported inside `open_tracker`, when `--report-to` asks for them, so no tracker is a dependency. Nothing
-from this project is imported.
-
 Choices:
-- The JSONL files are the record of a run; a tracker mirrors metrics.jsonl and is never the only copy.
-  They are appended one fsynced line at a time (`append_jsonl`), so a crash leaves at most one torn last
-  line, and on --resume model_io.trim_jsonl cuts them back to the checkpoint's step: no step twice.
-- Rollout records keep every float at full precision (Python's float repr round-trips exactly), so the
-  advantages in rollouts.jsonl can be recomputed from its rewards and compared exactly; the completion
-  text, not the digits, dominates the file's size.
-- The curves are drawn by matplotlib on a Figure of its own with the Agg canvas, never through pyplot, so
-  a run leaves no global figure state and needs no display. The per-step reward and KL are noisy (one
-  batch of N completions), so each is drawn thin and light with a debiased exponential moving average
-  thick on top (the smoothing TensorBoard uses), and the x axis is shared by the three panels so that the
-  evaluation marks line up with the accuracy dots.
-- A tracker gets numbers only: strings (the `skipped` reason) and non-finite values (the loss of a skipped
-  step) are left out of it; metrics.jsonl keeps them.
+- The JSONL files are the record of a run, appended one fsynced line at a time: a crash leaves at most one
+  torn last line, and on --resume model_io.trim_jsonl cuts them back to the checkpoint's step.
+- Rollout records keep floats at full precision (Python's float repr round-trips), so rollouts.jsonl's
+  advantages can be recomputed from its rewards exactly; the text, not the digits, dominates the size.
+- The curves are drawn on a matplotlib Figure of its own, never through pyplot (no global state, no display).
+  Reward and KL per step are noisy (one batch of N completions): a debiased EMA is drawn thick on top.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import numbers
@@ -38,12 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
-
-# --------------------------------------------------------------------------------------------------
-# JSONL lines: one per step, one per sampled completion
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:
@@ -73,12 +58,8 @@ def rollout_records(
     truncated: list[bool],
     group_size: int,
 ) -> list[dict]:
-    """One JSON-ready dict per sampled completion (N rows), for rollouts.jsonl.
-
-    `samples` holds either the B prompts' samples or one per row (N, each repeated G times); every other
-    list has N entries. Floats keep full precision. A length mismatch raises rather than pairing a
-    completion with another prompt's sample or rewards.
-    """
+    """One JSON-ready dict per sampled completion, for rollouts.jsonl. `samples`: the B prompts' or one per
+    row; every other list has N entries. A length mismatch raises rather than mispair rows and samples."""
     N = len(texts)
     columns = {"reward": reward, "adv": adv, "lengths": lengths, "truncated": truncated, **components}
     wrong = {name: len(values) for name, values in columns.items() if len(values) != N}
@@ -87,41 +68,32 @@ def rollout_records(
             f"rollout_records: {N} completions, group_size {group_size}, {len(samples)} samples (expected "
             f"{N // max(group_size, 1)} or {N}); lists whose length is not {N}: {wrong}"
         )
-    per_row = len(samples) == N
-    rows = []
-    for i in range(N):
-        sample = samples[i if per_row else i // group_size]
-        rows.append(
-            {
-                "step": int(step),
-                "sample_id": sample.get("id"),
-                "group": i // group_size,
-                "images": [image_reference(image) for image in sample.get("images") or []],
-                "completion": texts[i],
-                "rewards": {name: float(values[i]) for name, values in components.items()},
-                "reward": float(reward[i]),
-                "advantage": float(adv[i]),
-                "length": int(lengths[i]),
-                "truncated": bool(truncated[i]),
-            }
-        )
-    return rows
-
-
-# --------------------------------------------------------------------------------------------------
-# Progress on the terminal
+    if len(samples) != N:
+        samples = [sample for sample in samples for _ in range(group_size)]  # one per row
+    return [
+        {
+            "step": int(step),
+            "sample_id": sample.get("id"),
+            "group": i // group_size,
+            "images": [image_reference(image) for image in sample.get("images") or []],
+            "completion": texts[i],
+            "rewards": {name: float(values[i]) for name, values in components.items()},
+            "reward": float(reward[i]),
+            "advantage": float(adv[i]),
+            "length": int(lengths[i]),
+            "truncated": bool(truncated[i]),
+        }
+        for i, sample in enumerate(samples)
+    ]
 
 
 def format_duration(seconds: float) -> str:
     """45s, 2m06s, 1h02m; "?" for a duration not known yet (non-finite or negative)."""
     if not math.isfinite(seconds) or seconds < 0:
         return "?"
-    s = round(seconds)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def progress_line(
@@ -133,10 +105,8 @@ def progress_line(
     eta_seconds: float,
     accuracy: float | None,
 ) -> str:
-    """`step  40/100  reward 1.234  kl 0.0123  acc 0.760  2.1 s/step  ETA 2m06s`, plus warnings.
-
-    kl appears only when the record has it (beta > 0), acc only once an evaluation has run (the latest one).
-    """
+    """`step  40/100  reward 1.234  kl 0.0123  acc 0.760  2.1 s/step  ETA 2m06s`, plus warnings; kl only when
+    the record has it (beta > 0), acc only once an evaluation has run (the latest one)."""
     parts = [f"step {step:>{len(str(total))}}/{total}"]
     if "reward/mean" in record:
         parts.append(f"reward {record['reward/mean']:.3f}")
@@ -146,31 +116,24 @@ def progress_line(
         parts.append(f"acc {accuracy:.3f}")
     parts.append(f"{seconds_per_step:.{2 if seconds_per_step < 1 else 1}f} s/step")
     parts.append(f"ETA {format_duration(eta_seconds)}")
-    skipped = record.get("skipped")
-    if skipped:
+    if skipped := record.get("skipped"):
         parts.append(f"SKIPPED ({skipped})" if isinstance(skipped, str) else "SKIPPED")
-    if record.get("frac_zero_std_groups") == 1.0:
-        # NOTE: every advantage is 0, so the step changed nothing but the KL term
+    if record.get("frac_zero_std_groups") == 1.0:  # NOTE: every advantage is 0: only the KL term acted
         parts.append("no learning signal (every group's rewards equal)")
     return "  ".join(parts)
 
 
 def print_progress(line: str, *, tty: bool) -> None:
     """Redraw the line in place on a terminal; elsewhere (a log file, CI) print one line per call."""
-    if tty:
-        # \r goes back to column 0 and ESC[K clears what a longer previous line left; no newline, so the
-        # next call overwrites this one (print a newline before any other output).
-        sys.stdout.write(f"\r{line}\x1b[K")
-        sys.stdout.flush()
-    else:
-        print(line, flush=True)
+    # \r and ESC[K: rewrite from column 0, clearing the rest; no newline, so other output starts with \n
+    print(f"\r{line}\x1b[K" if tty else line, end="" if tty else "\n", flush=True)
 
 
-NO_SIGNAL_HINT = (
-    "{n} steps in a row without a learning signal: every group's completions got the same reward, so every "
-    "advantage is 0. Likely causes: a reward that is always 0 or always 1 on this data (look at a few with "
-    "--dry-run, or in rollouts.jsonl), --group-size {G} too small, or --temperature {T} too low for the "
-    "completions of a prompt to differ."
+NO_SIGNAL_WARNING = (
+    "\nwarning: {n} steps in a row without a learning signal: every group's completions got the same reward, "
+    "so every advantage is 0. Likely causes: a reward that is always 0 or always 1 on this data (look at a "
+    "few with --dry-run, or in rollouts.jsonl), --group-size {G} too small, or --temperature {T} too low for "
+    "the completions of a prompt to differ."
 )
 
 
@@ -180,7 +143,7 @@ class StepLog:
     metrics.jsonl, timings.jsonl and rollouts.jsonl, mirror to the tracker, print progress and warnings."""
 
     out: Path
-    tracker: Tracker | None
+    tracker: Any  # a trackers.Tracker, or None
     t_start: float
     first_step: int  # the step the run (re)started from, for the s/step figure
     total_steps: int
@@ -201,59 +164,45 @@ class StepLog:
             self.tracker.close()
 
     def step(self, record: dict, timings: dict, completions: list[dict], bad_in_a_row: int) -> None:
-        step = record["step"]
+        step, total = record["step"], self.total_steps
         for name, rows in (("metrics", [record]), ("timings", [timings]), ("rollouts", completions)):
             for row in rows:
                 append_jsonl(self.out / f"{name}.jsonl", row)
         self.accuracy = record.get("eval/accuracy", self.accuracy)
         if self.tracker is not None:
             self.tracker.log(record, step)
-            if "eval/accuracy" in record and completions:
+            if "eval/accuracy" in record:
                 self.tracker.log_completions(completions[: self.group_size], step)
-        seconds_per_step = (time.time() - self.t_start) / (step - self.first_step)
-        if step % self.log_every == 0 or step == self.total_steps or record["skipped"]:
-            eta = seconds_per_step * (self.total_steps - step)
+        if step % self.log_every == 0 or step == total or record["skipped"]:
+            rate = (time.time() - self.t_start) / (step - self.first_step)  # seconds per step
+            eta = rate * (total - step)
             line = progress_line(
-                step,
-                self.total_steps,
-                record,
-                seconds_per_step=seconds_per_step,
-                eta_seconds=eta,
-                accuracy=self.accuracy,
+                step, total, record, seconds_per_step=rate, eta_seconds=eta, accuracy=self.accuracy
             )
             print_progress(line, tty=sys.stdout.isatty())
         if record["skipped"]:
             print(f"\nstep {step}: optimizer step skipped ({record['skipped']}); {bad_in_a_row} in a row")
         self.no_signal_in_a_row = self.no_signal_in_a_row + 1 if record["frac_zero_std_groups"] == 1.0 else 0
         if self.no_signal_in_a_row == 3:  # once per streak
-            hint = NO_SIGNAL_HINT.format(n=3, G=self.group_size, T=self.temperature)
-            print(f"\nwarning: {hint}", flush=True)
+            print(NO_SIGNAL_WARNING.format(n=3, G=self.group_size, T=self.temperature), flush=True)
 
 
 def run_summary(records: list[dict], seconds: float) -> dict:
     """steps, wall time and the first and last held-out accuracy of a run's metrics records."""
-    evals = [r for r in records if "eval/accuracy" in r]
+    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     summary = {"steps": records[-1]["step"], "wall_time_s": round(seconds, 1)}
     if evals:
-        summary.update(accuracy_start=evals[0]["eval/accuracy"], accuracy_end=evals[-1]["eval/accuracy"])
+        summary.update(accuracy_start=evals[0], accuracy_end=evals[-1])
     return summary
 
 
-# --------------------------------------------------------------------------------------------------
-# Curves (matplotlib, object-oriented: no pyplot)
-
-FIGSIZE, DPI = (9.0, 8.4), 100  # 900 x 840 pixels
 RAW, SMOOTH = "#aac3eb", "#1e55b9"  # reward: every step thin and light, the EMA thick on top
-KL_RAW, KL_SMOOTH = "#deb9de", "#8c2d87"
-EVAL_MARK = "#eeaa73"  # evaluations: dotted marks on the reward and KL panels, the line between accuracies
-EVAL_DOT = "#d75f14"  # held-out accuracy points
-SKIP_MARK = "#cd1e1e"
-FAINT = "0.45"  # a grey, for what comments on the data rather than shows it
+EVAL_MARK, EVAL_DOT = "#eeaa73", "#d75f14"  # evaluation marks and the accuracy line; accuracy points
+SKIP_MARK, FAINT = "#cd1e1e", "0.45"  # skipped steps; a grey for what comments on the data, not shows it
 PANELS = (
-    # key, title, y-axis label, (thin colour, thick colour)
     ("reward/mean", "train reward (mean of the N sampled completions)", "reward", (RAW, SMOOTH)),
     ("eval/accuracy", "held-out accuracy (greedy decoding)", "accuracy", None),
-    ("kl", "KL to the reference policy", "KL", (KL_RAW, KL_SMOOTH)),
+    ("kl", "KL to the reference policy", "KL", ("#deb9de", "#8c2d87")),
 )
 EMPTY_PANEL = {
     "reward/mean": "no training step logged yet",
@@ -304,14 +253,12 @@ def draw_accuracy(ax: Axes, pts: list) -> None:
         for s, v in pts:
             ax.annotate(f"{v:.2f}", (s, v), xytext=(0, 6), textcoords="offset points", ha="center", size=8)
     # NOTE: always 0 to 1, as accuracy can be, so that a constant one is not blown up; room above for labels
-    ax.set_ylim(-0.05, 1.15)
-    ax.set_yticks([0, 0.25, 0.5, 0.75, 1])
+    ax.set(ylim=(-0.05, 1.15), yticks=[0, 0.25, 0.5, 0.75, 1])
 
 
 def curves_figure(records: list[dict]) -> Figure:
-    """Train reward, held-out accuracy and KL against step: three panels, one step axis (so that the
-    evaluation marks on the reward and KL panels line up with the accuracy points)."""
-    figure = Figure(figsize=FIGSIZE, dpi=DPI)
+    """Train reward, held-out accuracy and KL against step: three panels, one step axis."""
+    figure = Figure(figsize=(9.0, 8.4), dpi=100)  # 900 x 840 pixels
     figure.set_layout_engine("constrained", w_pad=0.1, h_pad=0.1)  # labels fit, 10 white pixels around
     axes = figure.subplots(len(PANELS), sharex=True)
     evals = [s for s, _ in series(records, "eval/accuracy")]
@@ -349,119 +296,5 @@ def curves_figure(records: list[dict]) -> Figure:
 
 def plot_curves(records: list[dict], path: Path) -> None:
     """The curves of `records` (metrics.jsonl's lines) as a PNG at `path` (900 x 840 pixels)."""
-    figure = curves_figure(records)
-    FigureCanvasAgg(figure)  # the PNG renderer, attached to this figure alone
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-
-
-# --------------------------------------------------------------------------------------------------
-# Experiment trackers (optional; each package is imported only when asked for)
-
-PROJECT = "grpo-vlm"  # the wandb / trackio project every run is filed under
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-COMPLETION_COLUMNS = ("step", "sample_id", "group", "reward", "advantage", "rewards", "completion")
-
-
-def completion_table(rows: list[dict]) -> list[list]:
-    """The rows as COMPLETION_COLUMNS, component rewards joined into one readable cell."""
-    table = []
-    for row in rows:
-        parts = ", ".join(f"{name} {value:.3g}" for name, value in (row.get("rewards") or {}).items())
-        cells = {**row, "rewards": parts, "sample_id": str(row.get("sample_id"))}
-        table.append([cells.get(column) for column in COMPLETION_COLUMNS])
-    return table
-
-
-def completions_markdown(rows: list[dict]) -> str:
-    """A markdown table; `|` and line breaks inside a cell are escaped so that they do not break it."""
-    header = "| " + " | ".join(COMPLETION_COLUMNS) + " |"
-    lines = [header, "|" + "---|" * len(COMPLETION_COLUMNS)]
-    for cells in completion_table(rows):
-        text = [
-            f"{c:.4g}" if isinstance(c, float) else str(c).replace("|", "\\|").replace("\n", "<br>")
-            for c in cells
-        ]
-        lines.append("| " + " | ".join(text) + " |")
-    return "\n".join(lines)
-
-
-@dataclass
-class Tracker:
-    """An open tracker. `backend`: a SummaryWriter (tensorboard), or the wandb / trackio module, whose
-    module-level log and finish act on the run that `init` started."""
-
-    kind: str
-    backend: Any
-
-    def log(self, metrics: dict, step: int) -> None:
-        """The finite numbers of a metrics record (bools as 0/1), under their own names, at `step`."""
-        scalars = {
-            name: float(value)
-            for name, value in metrics.items()
-            if name != "step" and isinstance(value, numbers.Real) and math.isfinite(value)
-        }
-        if not scalars:
-            return
-        if self.kind == "tensorboard":
-            for name, value in scalars.items():
-                self.backend.add_scalar(name, value, global_step=step)
-        else:
-            self.backend.log(scalars, step=step)
-
-    def log_completions(self, rows: list[dict], step: int) -> None:
-        """A table of a few rollout records (see `rollout_records`): which prompt, the text, its rewards."""
-        if not rows:
-            return
-        if self.kind == "tensorboard":  # the text plugin renders markdown, tables included
-            self.backend.add_text("completions", completions_markdown(rows), global_step=step)
-        elif hasattr(self.backend, "Table"):  # wandb; trackio since its early versions
-            table = self.backend.Table(columns=list(COMPLETION_COLUMNS), data=completion_table(rows))
-            self.backend.log({"completions": table}, step=step)
-        else:
-            self.backend.log({"completions": completions_markdown(rows)}, step=step)
-
-    def close(self) -> None:
-        """Flush and end the run (the wandb run is marked finished)."""
-        if self.kind == "tensorboard":
-            self.backend.close()
-        else:
-            self.backend.finish()
-
-
-def import_tracker(kind: str) -> Any:
-    """The tracker's package, or an ImportError that says which flag wanted it and how to install it."""
-    package = TRACKER_PACKAGES[kind]
-    try:
-        return importlib.import_module(package)
-    except ImportError as error:
-        raise ImportError(
-            f"--report-to {kind} needs the {package} package, which is not installed: pip install {package}"
-        ) from error
-
-
-def open_tracker(kind: str, run_dir: Path, config: dict, run_name: str | None = None) -> Tracker | None:
-    """Start logging to `kind` ("none": no tracker, None). TensorBoard writes its events under
-    run_dir/tensorboard; wandb keeps its files under run_dir; trackio has no directory argument and keeps
-    its own local database ($TRACKIO_DIR, else $HF_HOME/trackio, i.e. ~/.cache/huggingface/trackio)."""
-    if kind == "none":
-        return None
-    if kind not in TRACKER_PACKAGES:
-        raise ValueError(f"--report-to {kind!r}: expected one of none, {', '.join(TRACKER_PACKAGES)}")
-    module = import_tracker(kind)
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if kind == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        # flush every 30 s (default 120) so that a live `tensorboard --logdir` follows the run closely
-        writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), flush_secs=30)
-        writer.add_text(
-            "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```", global_step=0
-        )
-        return Tracker(kind, writer)
-    if kind == "wandb":
-        module.init(project=PROJECT, dir=str(run_dir), config=config, name=run_name)
-    else:
-        module.init(project=PROJECT, name=run_name, config=config)
-    return Tracker(kind, module)
+    curves_figure(records).savefig(path)  # a Figure with no canvas renders a PNG with Agg

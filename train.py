@@ -47,6 +47,7 @@ import model_io
 import rewards
 import speedups
 import tasks
+import trackers
 
 
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
@@ -738,7 +739,9 @@ def main(args: Args) -> dict:
         if writer:
             model_io.open_run_folder(out, mode, run_id, start_step, dataclasses.asdict(args))
             with cli.user_errors():
-                tracker = logs.open_tracker(args.report_to, out, dataclasses.asdict(args), run_name=out.name)
+                tracker = trackers.open_tracker(
+                    args.report_to, out, dataclasses.asdict(args), run_name=out.name
+                )
             log = logs.StepLog(
                 out,
                 tracker,
