@@ -440,42 +440,27 @@ def check_args(args: Args) -> None:
             group.check()
     a = args
     ranges = [
-        ("--steps", a.steps, a.steps >= 1, "must be >= 1"),
-        ("--batch-size", a.batch_size, a.batch_size >= 1, "must be >= 1 prompt per step"),
-        (
-            "--group-size",
-            a.group_size,
-            a.group_size >= 2,
-            "must be >= 2: each completion is compared with its group",
-        ),
-        ("--num-iterations", a.num_iterations, a.num_iterations >= 1, "must be >= 1"),
-        ("--max-sampling-rounds", a.max_sampling_rounds, a.max_sampling_rounds >= 1, "must be >= 1"),
-        (
-            "--lr",
-            a.lr,
-            a.lr > 0 and math.isfinite(a.lr),
-            "must be a positive number (e.g. 2e-5 on real models)",
-        ),
-        ("--warmup-steps", a.warmup_steps, a.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", a.weight_decay, a.weight_decay >= 0, "must be >= 0"),
-        ("--max-grad-norm", a.max_grad_norm, a.max_grad_norm > 0, "must be > 0"),
-        ("--max-bad-steps", a.max_bad_steps, a.max_bad_steps >= 0, "must be >= 0"),
-        ("--log-every", a.log_every, a.log_every >= 1, "must be >= 1"),
-        (
-            "--log-completions-every",
-            a.log_completions_every,
-            a.log_completions_every >= 0,
-            "must be >= 0 (0: never)",
-        ),
-        ("--eval-every", a.eval_every, a.eval_every >= 1, "must be >= 1"),
-        ("--save-every", a.save_every, a.save_every >= 1, "must be >= 1"),
-        ("--keep-last", a.keep_last, a.keep_last >= 1, "must be >= 1"),
+        ("--steps", a.steps >= 1, "must be >= 1"),
+        ("--batch-size", a.batch_size >= 1, "must be >= 1 prompt per step"),
+        ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
+        ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
+        ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
+        ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
+        ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
+        ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
+        ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
+        ("--max-bad-steps", a.max_bad_steps >= 0, "must be >= 0"),
+        ("--log-every", a.log_every >= 1, "must be >= 1"),
+        ("--log-completions-every", a.log_completions_every >= 0, "must be >= 0 (0: never)"),
+        ("--eval-every", a.eval_every >= 1, "must be >= 1"),
+        ("--save-every", a.save_every >= 1, "must be >= 1"),
+        ("--keep-last", a.keep_last >= 1, "must be >= 1"),
         # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
         # QwenLM/Qwen3#868) and, without loss scaling, GRPO's per-token gradients underflow to zero.
-        ("--dtype", a.dtype, a.dtype != "float16", FP16_REFUSED),
+        ("--dtype", a.dtype != "float16", FP16_REFUSED),
     ]
-    for flag, value, ok, message in ranges:
-        cli.check(ok, flag, f"{message}, got {value}")
+    for flag, ok, message in ranges:
+        cli.check(ok, flag, f"{message}, got {getattr(a, flag[2:].replace('-', '_'))}")
     cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
     normalize_first = a.adv.multi_objective_aggregation == "normalize_then_sum"
     no_total = "has no meaning with normalize_then_sum (no total)"
@@ -514,16 +499,13 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     accuracy_name, names = args.rewards.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
-    data.set_pixel_budget(
-        image_processor, args.samples.min_pixels, args.samples.max_pixels
-    )  # before the length check
+    config = args.samples
+    data.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
-        box_frame = grounding.resolve_frame(
-            args.rewards.box_frame, model.config.model_type, image_processor, names
-        )
-    resized = data.check_samples(
-        train_samples + held_out, tokenizer, image_processor, max_prompt_length=args.samples.max_prompt_length
-    )
+        frame = args.rewards.box_frame
+        box_frame = grounding.resolve_frame(frame, model.config.model_type, image_processor, names)
+    length = dict(max_prompt_length=config.max_prompt_length)
+    resized = data.check_samples(train_samples + held_out, tokenizer, image_processor, **length)
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
@@ -571,14 +553,9 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
 
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
     """A checkpoint folder (model_io.save_checkpoint): the adapter, and the state --resume reads back."""
-    state = dict(
-        step=step,
-        beta=beta,
-        run_id=run_id,
-        optimizer=run.optimizer.state_dict(),
-        scheduler=run.scheduler.state_dict(),
-        args=dataclasses.asdict(args),
-    )
+    optimizer, scheduler = run.optimizer.state_dict(), run.scheduler.state_dict()
+    settings = dataclasses.asdict(args)
+    state = dict(step=step, beta=beta, run_id=run_id, optimizer=optimizer, scheduler=scheduler, args=settings)
     adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
     model_io.save_checkpoint(
         directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
@@ -738,21 +715,12 @@ def main(args: Args) -> dict:
         log = None
         if writer:
             model_io.open_run_folder(out, mode, run_id, start_step, dataclasses.asdict(args))
+            settings = dataclasses.asdict(args)
             with cli.user_errors():
-                tracker = trackers.open_tracker(
-                    args.report_to, out, dataclasses.asdict(args), run_name=out.name
-                )
-            log = logs.StepLog(
-                out,
-                tracker,
-                time.time(),
-                start_step,
-                args.steps,
-                args.log_every,
-                args.group_size,
-                args.sampling.temperature,
-                accuracy=(first or {}).get("eval/accuracy"),
-            )
+                tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
+            accuracy = (first or {}).get("eval/accuracy")
+            progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)
+            log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
             if first is not None:
                 log.first(first)
         distributed.barrier()

@@ -178,9 +178,12 @@ def generate(
     k = args.num_samples
     greedy = k == 1
     options = data.sampling_options(
-        tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens,
-        temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
-    )  # fmt: skip
+        tokenizer,
+        model.generation_config,
+        max_new_tokens=args.max_new_tokens,
+        temperature=0.0 if greedy else args.temperature,
+        top_p=1.0 if greedy else args.top_p,
+    )
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )

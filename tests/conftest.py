@@ -80,19 +80,40 @@ TINY_CHECKPOINT = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen
 # 2 x 2 merger, 2 blocks each; Qwen3-VL's deepstack taps both blocks.
 _VISION = {
     "qwen2.5-vl": dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
     ),
     "qwen2-vl": dict(
-        depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2,
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        mlp_ratio=2,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
         temporal_patch_size=2,
     ),
     "qwen3-vl": dict(
-        depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
         deepstack_visual_indexes=list(range(DEEPSTACK_BLOCKS)),
     ),
-}  # fmt: skip
+}
 _VLM_CLASSES = {
     "qwen2.5-vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
     "qwen2-vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),

@@ -225,9 +225,17 @@ def test_rollouts_jsonl_keeps_every_completion_with_its_rewards_and_is_trimmed_o
     assert [r["step"] for r in rows] == [1] * 8 + [2] * 8  # B * G = 8 completions a step
     first = rows[0]
     assert list(first) == [
-        "step", "sample_id", "group", "images", "completion", "rewards", "reward", "advantage", "length",
+        "step",
+        "sample_id",
+        "group",
+        "images",
+        "completion",
+        "rewards",
+        "reward",
+        "advantage",
+        "length",
         "truncated",
-    ]  # fmt: skip
+    ]
     assert set(first["rewards"]) == {"label", "format"} and first["images"]
     assert all(1 <= r["length"] <= 8 for r in rows)
     # A resume from the step-1 checkpoint redoes step 2: its lines are replaced, not duplicated.

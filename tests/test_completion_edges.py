@@ -171,9 +171,15 @@ def test_evaluate_reports_blank_image_columns_beside_the_real_ones(tmp_path):
 
 def test_training_logs_the_blank_image_accuracy_at_each_evaluation(tmp_path):
     args = train_args(
-        steps=1, batch_size=2, group_size=2, max_new_tokens=8, train_size=4, eval_size=4,
-        output_dir=str(tmp_path / "run"), eval_image_ablation="blank",
-    )  # fmt: skip
+        steps=1,
+        batch_size=2,
+        group_size=2,
+        max_new_tokens=8,
+        train_size=4,
+        eval_size=4,
+        output_dir=str(tmp_path / "run"),
+        eval_image_ablation="blank",
+    )
     train.main(args)
     evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
     evals = [r for r in evals if "eval/accuracy" in r]

@@ -246,10 +246,17 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
     reward = torch.tensor([0.5 if i % 3 == 0 else float(j % 2) for i, j in rows])
     batch = train.prompt_batch(run, prompts, args)
     return train.Rollout(
-        inputs=data.repeat_rows(batch, G).inputs, completion_ids=ids, mask=mask, truncated=truncated,
-        texts=[f"{i}/{j}" for i, j in rows], samples=[p for p in prompts for _ in range(G)], reward=reward,
-        components={"r": reward}, adv=train.advantages(reward, {"r": reward}, run, args), chunks=[],
-    )  # fmt: skip
+        inputs=data.repeat_rows(batch, G).inputs,
+        completion_ids=ids,
+        mask=mask,
+        truncated=truncated,
+        texts=[f"{i}/{j}" for i, j in rows],
+        samples=[p for p in prompts for _ in range(G)],
+        reward=reward,
+        components={"r": reward},
+        adv=train.advantages(reward, {"r": reward}, run, args),
+        chunks=[],
+    )
 
 
 def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:

@@ -109,9 +109,14 @@ def test_frozen_trunk_captured_or_recorded_equals_the_full_forward_in_every_fami
     blocks, first_adapted = parts["blocks"], parts["first_adapted"]
     torch.manual_seed(0)
     ids, recording = speedups.sample_shared_prefill(
-        model, inputs_of(family, 1), group_size=G, max_new_tokens=6, temperature=1.0,
-        record_block=speedups.record_block(model, parts), **SAMPLING,
-    )  # fmt: skip
+        model,
+        inputs_of(family, 1),
+        group_size=G,
+        max_new_tokens=6,
+        temperature=1.0,
+        record_block=speedups.record_block(model, parts),
+        **SAMPLING,
+    )
     full = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=0.7, return_entropy=True)
     )
@@ -143,10 +148,20 @@ def train_one_step(model_dir: Path, out: Path, reward: str, **flags) -> dict:
     second one's loss and KL depend on the recomputed log-probs, not on the advantages alone."""
     is_vlm = (model_dir / "preprocessor_config.json").exists()
     options = dict(
-        model=str(model_dir), output_dir=str(out), device="cpu", task="shapes" if is_vlm else "summaries",
-        reward=(reward,), train_size=4, eval_size=0, batch_size=2, group_size=G, max_new_tokens=6, steps=1,
-        lora_last_k=K, num_iterations=2,
-    )  # fmt: skip
+        model=str(model_dir),
+        output_dir=str(out),
+        device="cpu",
+        task="shapes" if is_vlm else "summaries",
+        reward=(reward,),
+        train_size=4,
+        eval_size=0,
+        batch_size=2,
+        group_size=G,
+        max_new_tokens=6,
+        steps=1,
+        lora_last_k=K,
+        num_iterations=2,
+    )
     train.main(train_args(**(options | flags)))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
@@ -197,18 +212,34 @@ def test_one_training_step_is_the_same_with_the_default_speedups_and_on_the_plai
 # family, its config, K, what the refusal says, the flag it names (which then trains).
 REFUSED = {
     "qwen3-vl, LoRA on every block (deepstack)": (
-        "qwen3-vl", {}, NUM_LAYERS, "deepstack features; use --no-trunk-reuse", dict(trunk_reuse=False)
+        "qwen3-vl",
+        {},
+        NUM_LAYERS,
+        "deepstack features; use --no-trunk-reuse",
+        dict(trunk_reuse=False),
     ),
     "qwen2 sliding window, adapted blocks mix attention types": (
-        "qwen2", SLIDING, 3, "mix attention types; use --no-trunk-reuse", dict(trunk_reuse=False)
+        "qwen2",
+        SLIDING,
+        3,
+        "mix attention types; use --no-trunk-reuse",
+        dict(trunk_reuse=False),
     ),
     "qwen3 sliding window, adapted blocks mix attention types": (
-        "qwen3", SLIDING, 3, "mix attention types; use --no-trunk-reuse", dict(trunk_reuse=False)
+        "qwen3",
+        SLIDING,
+        3,
+        "mix attention types; use --no-trunk-reuse",
+        dict(trunk_reuse=False),
     ),
     "qwen3 sliding window, adapted blocks differ from block 0": (
-        "qwen3", SLIDING, 2, "differ in attention type; use --no-shared-prefill", dict(shared_prefill=False)
+        "qwen3",
+        SLIDING,
+        2,
+        "differ in attention type; use --no-shared-prefill",
+        dict(shared_prefill=False),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -233,9 +264,14 @@ def test_a_placement_the_trunk_cannot_take_is_refused_before_anything_runs_and_t
     ours = train_one_step(model_dir, tmp_path / "fallback", reward_plugin, lora_last_k=last_k, **fallback)
     # The plain path, in micro-batches of 4 + 2 rows (exact; their chunks never look for a trunk).
     plain = train_one_step(
-        model_dir, tmp_path / "plain", reward_plugin, lora_last_k=last_k, shared_prefill=False,
-        trunk_reuse=False, micro_batch_size=4,
-    )  # fmt: skip
+        model_dir,
+        tmp_path / "plain",
+        reward_plugin,
+        lora_last_k=last_k,
+        shared_prefill=False,
+        trunk_reuse=False,
+        micro_batch_size=4,
+    )
     assert_same_step(ours, plain)
 
 
@@ -275,9 +311,14 @@ def test_sliding_window_blocks_get_their_own_mask_in_the_captured_trunk_and_mixe
     parts = speedups.decoder_parts(model, K)
     torch.manual_seed(0)
     ids, recording = speedups.sample_shared_prefill(
-        model, text_inputs(1), group_size=G, max_new_tokens=6, temperature=1.0,
-        record_block=parts["blocks"][parts["first_adapted"]], **SAMPLING,
-    )  # fmt: skip
+        model,
+        text_inputs(1),
+        group_size=G,
+        max_new_tokens=6,
+        temperature=1.0,
+        record_block=parts["blocks"][parts["first_adapted"]],
+        **SAMPLING,
+    )
     with torch.no_grad():
         full, _ = grpo.completion_logprobs(model, inputs, ids, temperature=1.0)
     # Captured at block 2, the trunk hands blocks 2 and 3 the sliding mask they get in the full forward.

@@ -74,10 +74,20 @@ def test_parse_boxes_reads_every_syntax_in_the_order_written():
 
 @pytest.mark.parametrize(
     "text",
-    ["[3, 3, 1, 1]", "[1, 1, 1, 3]", "[NaN, 1, 3, 3]", "[1, 1, Infinity, 3]", "[true, 1, 3, 3]",
-     '["1", 1, 3, 3]', "[1e999, 1, 3, 3]", f"[{10**400}, 1, 3, 3]", "(5,5),(1,1)", "[1, 1, 3]",
-     "[1, 1, 3, 3"],
-)  # fmt: skip
+    [
+        "[3, 3, 1, 1]",
+        "[1, 1, 1, 3]",
+        "[NaN, 1, 3, 3]",
+        "[1, 1, Infinity, 3]",
+        "[true, 1, 3, 3]",
+        '["1", 1, 3, 3]',
+        "[1e999, 1, 3, 3]",
+        f"[{10**400}, 1, 3, 3]",
+        "(5,5),(1,1)",
+        "[1, 1, 3]",
+        "[1, 1, 3, 3",
+    ],
+)
 def test_parse_boxes_drops_degenerate_and_non_finite_boxes(text):
     assert parse_boxes(text) == []
     assert parse_boxes(f"{text} [0, 0, 1, 1]") == [(0, 0, 1, 1)]  # the good box after it still counts
@@ -91,8 +101,20 @@ def test_parse_points_reads_every_syntax_and_skips_box_corners():
     assert parse_points(text) == [(1, 2), (3.5, 4), (5, 6), (7, 8)]
 
 
-GARBAGE = ["", "no box here", "[", "[[[", "{bbox_2d: }", "<|box_start|>(1,2)<|box_end|>", "[1, 2, 3, 4",
-           "(a,b),(c,d)", "<answer></answer>", "\x00\uffff", "[" * 1000, "1" * 5000]  # fmt: skip
+GARBAGE = [
+    "",
+    "no box here",
+    "[",
+    "[[[",
+    "{bbox_2d: }",
+    "<|box_start|>(1,2)<|box_end|>",
+    "[1, 2, 3, 4",
+    "(a,b),(c,d)",
+    "<answer></answer>",
+    "\x00\uffff",
+    "[" * 1000,
+    "1" * 5000,
+]
 GROUND_TRUTH = {
     "bbox": [10, 10, 50, 50],
     "region": [[[0, 0], [10, 0], [10, 10]]],

@@ -30,9 +30,19 @@ COLOURS = list(tasks.COLOURS.values())
 
 # Created in this (scrambled) order; a plain sort would put img10-img12 before IMG2 and upper case first.
 NATURAL_ORDER = [
-    "img1.jpg", "IMG2.png", "img3.JPEG", "Img4.jpg", "img5.png", "IMG6.jpg",
-    "img7.jpeg", "img8.PNG", "img9.jpg", "img10.JPG", "IMG11.png", "img12.jpeg",
-]  # fmt: skip
+    "img1.jpg",
+    "IMG2.png",
+    "img3.JPEG",
+    "Img4.jpg",
+    "img5.png",
+    "IMG6.jpg",
+    "img7.jpeg",
+    "img8.PNG",
+    "img9.jpg",
+    "img10.JPG",
+    "IMG11.png",
+    "img12.jpeg",
+]
 
 
 def photo(path: Path, colour_index: int) -> None:
@@ -108,9 +118,14 @@ def test_each_summary_is_the_models_answer_about_its_own_photo_alone(tmp_path):
         sample = {"images": [str(photos / "g" / f"p{i}.png")], "prompt": tasks.SHAPES_PROMPT}
         batch = data.prepare_prompts([sample], tokenizer, image_processor, device="cpu")
         ids, _ = grpo.sample_completions(
-            model, batch.inputs, max_new_tokens=16, temperature=0.0, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, suppress_token_ids=data.suppressed_tokens(tokenizer),
-        )  # fmt: skip
+            model,
+            batch.inputs,
+            max_new_tokens=16,
+            temperature=0.0,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            suppress_token_ids=data.suppressed_tokens(tokenizer),
+        )
         mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)
         expected.append(" ".join(data.decode_completions(tokenizer, ids, mask)[0].split()))
     assert summaries == expected
@@ -398,11 +413,19 @@ def test_stage_b_trains_on_stage_a_output_without_conversion(tmp_path):
 
     summary = train.main(
         train_args(
-            data=(str(out),), prompt_template=str(ROOT / "assets" / "summaries_template.txt"),
-            reward=("label", "format"), steps=2, batch_size=2, group_size=2, eval_size=0, max_new_tokens=8,
-            output_dir=str(tmp_path / "stage_b"), device="cpu", seed=0,
+            data=(str(out),),
+            prompt_template=str(ROOT / "assets" / "summaries_template.txt"),
+            reward=("label", "format"),
+            steps=2,
+            batch_size=2,
+            group_size=2,
+            eval_size=0,
+            max_new_tokens=8,
+            output_dir=str(tmp_path / "stage_b"),
+            device="cpu",
+            seed=0,
         )
-    )  # fmt: skip
+    )
     assert summary["steps"] == 2
     assert (tmp_path / "stage_b" / "adapter" / "adapter_config.json").is_file()
     rollouts = lines(tmp_path / "stage_b" / "rollouts.jsonl")

@@ -226,9 +226,17 @@ def test_every_variant_trains_end_to_end_without_a_skipped_step(tmp_path, varian
     import train
 
     args = train_args(
-        output_dir=str(tmp_path / "run"), device="cpu", train_size=16, eval_size=0, batch_size=2,
-        group_size=4, max_new_tokens=8, steps=2, warmup_steps=1, **VARIANT_FLAGS[variant],
-    )  # fmt: skip
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+        train_size=16,
+        eval_size=0,
+        batch_size=2,
+        group_size=4,
+        max_new_tokens=8,
+        steps=2,
+        warmup_steps=1,
+        **VARIANT_FLAGS[variant],
+    )
     train.main(args)
     records = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and '"skipped": ""' in records[-1]
@@ -245,10 +253,19 @@ HALF_CONSTANT = (
 
 def dynamic_args(out, plugin, **overrides):
     kwargs = dict(
-        output_dir=str(out), device="cpu", train_size=32, eval_size=0, batch_size=2, group_size=4,
-        max_new_tokens=8, steps=3, save_every=1, warmup_steps=5, dynamic_sampling=True,
+        output_dir=str(out),
+        device="cpu",
+        train_size=32,
+        eval_size=0,
+        batch_size=2,
+        group_size=4,
+        max_new_tokens=8,
+        steps=3,
+        save_every=1,
+        warmup_steps=5,
+        dynamic_sampling=True,
         reward=(f"{plugin}:reward",),
-    )  # fmt: skip
+    )
     return train_args(**{**kwargs, **overrides})
 
 
