@@ -204,7 +204,7 @@ def test_old_logprobs_are_frozen_across_epochs_and_ratio_is_one_at_the_first_ste
     # LoRA B = 0: at the start the policy is the reference, exactly.
     assert all(torch.equal(b.old_logp, b.ref_logp) for b in batches)
     frozen = [b.old_logp.clone() for b in batches]
-    args = offline.Args(lr=1e-2, beta=0.04)
+    args = offline.Args(lr=1e-2, loss=grpo.LossConfig(beta=0.04))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     first_steps = []
