@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import grpo
@@ -39,9 +40,7 @@ import lora
 # --- 1. sampling with each prompt's prefill run once (grpo.sample_completions) ------------------------------
 
 
-def _draw(
-    logits: torch.Tensor, *, temperature: float, top_p: float, suppressed: torch.Tensor
-) -> torch.Tensor:
+def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tensor) -> Tensor:
     """Next tokens (N,) from the last logits (N, V): generate's processors (suppress -> temperature -> top_p)
     and sampler, op for op in its order and dtype (fp32), so the same seed draws the same tokens."""
     scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
@@ -59,7 +58,7 @@ def _draw(
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # (N,)
 
 
-def _prefill(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group_size: int) -> tuple[Any, ...]:
+def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tuple[Any, ...]:
     """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
     last logits (N, V), the KV cache (N rows) and the RoPE position of the first new token (N, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
@@ -87,8 +86,8 @@ def _prefill(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group_size
 
 @torch.no_grad()
 def sample_shared_prefill(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
+    model: nn.Module,
+    inputs: dict[str, Tensor],
     *,
     group_size: int,
     max_new_tokens: int,
@@ -97,8 +96,8 @@ def sample_shared_prefill(
     eos_token_id: int | Sequence[int],
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
-    record_block: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    record_block: nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """`grpo.sample_completions(..., num_return_sequences=G)` with each prompt prefilled once: B LEFT-padded
     prompts in, ids (N, T) out (prompt b: rows b*G .. b*G+G-1). Given `record_block` (blocks[first_adapted]),
     also what entered that block, (N, P + T - 1, H) (the last token is drawn, never fed): the frozen trunk,
@@ -109,9 +108,9 @@ def sample_shared_prefill(
         raise ValueError(
             f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"
         )
-    recorded: list[torch.Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
+    recorded: list[Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
 
-    def record(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
     hooked = record_block is not None  # the hook's handle removes it on exit
@@ -154,7 +153,7 @@ def sample_shared_prefill(
 class Trunk:
     """What the frozen trunk (vision tower, embeddings, blocks before it) hands to blocks[first_adapted]."""
 
-    hidden_states: torch.Tensor  # (n, P + T - 1, H) detached; the last completion token is left out
+    hidden_states: Tensor  # (n, P + T - 1, H) detached; the last completion token is left out
     block_kwargs: dict[str, Any]  # as the model passed them: 4D mask or None, (m)RoPE (cos, sin), ...
 
 
@@ -163,12 +162,12 @@ class _TrunkCaptured(Exception):
 
 
 def _trunk_inputs(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
-    blocks: Sequence[torch.nn.Module],
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
+    blocks: Sequence[nn.Module],
     first_adapted: int,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Tensor]:
     """`grpo.recompute_inputs` but the last completion token (its output would predict a token past the end):
     (n, P + T - 1); the trunk is shared only if nothing before blocks[first_adapted] trains."""
     if not 0 <= first_adapted < len(blocks):
@@ -185,7 +184,7 @@ def _trunk_inputs(
     return grpo.recompute_inputs(inputs, completion_ids[:, :-1])
 
 
-def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+def _encode_images_once(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
     """`get_image_features` for the N rows' images, a row equal to the previous one (a prompt's G rows are
     consecutive; grids and pixels compared exactly) reusing its embeddings: `mm_encoder_outputs["image"]`.
     NOTE: equal to encoding every row up to rounding (the tower's matmuls see fewer patches at once)."""
@@ -211,12 +210,12 @@ def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor])
 
 
 def _capture_block_input(
-    model: torch.nn.Module, kwargs: dict[str, Any], block: torch.nn.Module
-) -> tuple[torch.Tensor, dict[str, Any]]:
+    model: nn.Module, kwargs: dict[str, Any], block: nn.Module
+) -> tuple[Tensor, dict[str, Any]]:
     """Run model(**kwargs) up to `block`; return the (hidden states, keyword arguments) it receives. The
     model's own code builds the masks and (m)RoPE; a pre-hook raises there: nothing from `block` on runs."""
 
-    def stop(module: torch.nn.Module, args: tuple, block_kwargs: dict[str, Any]) -> None:
+    def stop(module: nn.Module, args: tuple, block_kwargs: dict[str, Any]) -> None:
         raise _TrunkCaptured(args[0] if args else block_kwargs.pop("hidden_states"), dict(block_kwargs))
 
     with block.register_forward_pre_hook(stop, with_kwargs=True):
@@ -229,11 +228,11 @@ def _capture_block_input(
 
 @torch.no_grad()
 def capture_trunk(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
 ) -> Trunk:
     """What blocks[first_adapted] receives, without grad, from `grpo.completion_logprobs`'s inputs; a prompt's
@@ -249,12 +248,12 @@ def capture_trunk(
 
 @torch.no_grad()
 def trunk_from_recording(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
-    hidden_states: torch.Tensor,
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
+    hidden_states: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
 ) -> Trunk:
     """The Trunk of n rows from their slice (n, P + T - 1, H) of `sample_shared_prefill`'s recording. The
@@ -277,16 +276,16 @@ def trunk_from_recording(
 
 def trunk_logprobs(
     trunk: Trunk,
-    completion_ids: torch.Tensor,
+    completion_ids: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
-    norm: torch.nn.Module,
-    lm_head: torch.nn.Module,
+    norm: nn.Module,
+    lm_head: nn.Module,
     temperature: float,
     return_entropy: bool = False,
     gradient_checkpointing: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """`grpo.completion_logprobs` from a trunk, through blocks[first_adapted:], the norm and the LM head: the
     policy's with grad, old_logp under no_grad, ref_logp inside `lora.adapters_disabled`."""
     hidden_states = trunk.hidden_states  # (n, P + T - 1, H)
@@ -309,7 +308,7 @@ def trunk_logprobs(
 # --- 3. micro-batches (the loss's backward over all N rows at once) -----------------------------------------
 
 
-def _images_per_row(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def _images_per_row(inputs: dict[str, Tensor]) -> Tensor:
     """(N,) images per row: runs of 1s in mm_token_type_ids (Qwen-VL wraps each image in <|vision_start|> ..
     <|vision_end|>, so two images never merge into one run), checked against the grid count."""
     is_image = inputs["mm_token_type_ids"] == 1  # (N, P)
@@ -320,9 +319,7 @@ def _images_per_row(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     return images_per_row
 
 
-def split_rows(
-    inputs: dict[str, torch.Tensor], chunk_size: int
-) -> list[tuple[slice, dict[str, torch.Tensor]]]:
+def split_rows(inputs: dict[str, Tensor], chunk_size: int) -> list[tuple[slice, dict[str, Tensor]]]:
     """(rows, inputs) of consecutive chunks of at most `chunk_size` of the N rows, each with only its images:
     (N, P) tensors by rows, the flat `pixel_values` (patches, D) and `image_grid_thw` (images, 3) where the
     chunk's images end. NOTE: a chunk without images drops the image keys (the model cannot encode zero)."""
@@ -351,7 +348,7 @@ def split_rows(
 # --- 4. log-probs row by row (grpo.logprobs_from_logits) ---------------------------------------------------
 
 
-def _upcast(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def _upcast(logits: Tensor, temperature: float) -> Tensor:
     """logits / temperature in at least fp32 (a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
     the ratio); no copy when there is nothing to do (fp32 logits, temperature 1)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -363,7 +360,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     autograd through a row loop would keep every row's fp32 upcast alive; this saves an (N, T) logsumexp."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(ctx, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
         lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
         picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
         ctx.save_for_backward(logits, index, lse)
@@ -372,7 +369,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         logits, index, lse = ctx.saved_tensors
         scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
         grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
@@ -384,9 +381,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def selective_log_softmax(
-    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
     in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
     if not temperature > 0:
@@ -395,8 +390,8 @@ def selective_log_softmax(
 
 
 def logprobs_row_by_row(
-    logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: Tensor, completion_ids: Tensor, *, temperature: float, return_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """`grpo.logprobs_from_logits`, one row's fp32 copy at a time: logp [and entropy] (N, T) from shifted
     logits (N, T, V); temperature 0 counts as 1."""
     temperature = temperature if temperature > 0 else 1.0
@@ -438,10 +433,10 @@ class Plan:
 
     config: SpeedConfig
     parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
-    record_block: torch.nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
+    record_block: nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
 
 
-def decoder_parts(model: torch.nn.Module, last_k: int) -> dict[str, Any]:
+def decoder_parts(model: nn.Module, last_k: int) -> dict[str, Any]:
     """blocks, first_adapted, the final norm and the LM head: the trunk functions' keyword arguments."""
     path, blocks = lora.find_decoder_blocks(model)
     first_adapted = len(blocks) - last_k  # 1 <= K <= L is checked by inject_lora and the trunk functions
@@ -457,7 +452,7 @@ def decoder_parts(model: torch.nn.Module, last_k: int) -> dict[str, Any]:
     return dict(blocks=blocks, first_adapted=first_adapted, norm=norm, lm_head=model.get_output_embeddings())
 
 
-def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Module:
+def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
     """blocks[first_adapted], whose input `sample_shared_prefill` records as the trunk."""
     # NOTE: trunk_from_recording takes the adapted blocks' mask from blocks[0]: one attention type needed.
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
@@ -466,7 +461,7 @@ def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Modu
     return parts["blocks"][parts["first_adapted"]]
 
 
-def choose(model: torch.nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
+def choose(model: nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
     """The run's Plan, made after LoRA is injected; without a trunk, checkpointing is transformers' own."""
     if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
         enable_plain_checkpointing(model)
@@ -477,14 +472,14 @@ def choose(model: torch.nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
 
 
 def sample(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
+    model: nn.Module,
+    inputs: dict[str, Tensor],
     plan: Plan,
     *,
     group_size: int,
     record: bool = True,
     **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """G completions of each of the B prompts, (ids (N, T), trunk recording or None if not `record`), from
     `sample_shared_prefill` or (plain) `grpo.sample_completions`, given the samplers' `options`."""
     if plan.config.shared_prefill:
@@ -498,17 +493,13 @@ class RowChunk:
     """One micro-batch of rows: its prompt inputs, completions and (with trunk reuse) its frozen trunk."""
 
     rows: slice  # which of the N rows
-    inputs: dict[str, torch.Tensor]  # input_ids (n, P), ..., and only these rows' images
-    completion_ids: torch.Tensor  # (n, T)
+    inputs: dict[str, Tensor]  # input_ids (n, P), ..., and only these rows' images
+    completion_ids: Tensor  # (n, T)
     trunk: Trunk | None = None
 
 
 def row_chunks(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
-    recording: torch.Tensor | None,
-    plan: Plan,
+    model: nn.Module, inputs: dict[str, Tensor], completion_ids: Tensor, recording: Tensor | None, plan: Plan
 ) -> list[RowChunk]:
     """The N rows as the log-prob passes take them: all at once (the plain path), or micro-batches, each with
     its frozen trunk under trunk reuse, from the sampler's `recording` (N, P + T - 1, H) or captured here."""
@@ -530,8 +521,8 @@ def row_chunks(
 
 
 def chunk_logprobs(
-    model: torch.nn.Module, chunk: RowChunk, plan: Plan, *, temperature: float, return_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    model: nn.Module, chunk: RowChunk, plan: Plan, *, temperature: float, return_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """Chunk logp (n, T) [and entropy]: a full forward (`grpo.completion_logprobs`), or `trunk_logprobs`."""
     options = dict(temperature=temperature, return_entropy=return_entropy)
     if chunk.trunk is None:
@@ -540,7 +531,7 @@ def chunk_logprobs(
     return trunk_logprobs(chunk.trunk, chunk.completion_ids, **options, **plan.parts, **checkpointing)
 
 
-def enable_plain_checkpointing(model: torch.nn.Module) -> None:
+def enable_plain_checkpointing(model: nn.Module) -> None:
     """transformers' non-reentrant checkpointing of every block, for the plain path (no trunk)."""
     # transformers >= 5.23 renamed gradient_checkpointing_enable (deprecated until v6) to this.
     if hasattr(model, "activation_checkpointing_enable"):
