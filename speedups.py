@@ -1,42 +1,38 @@
 """Speed-ups of grpo.py: the same tokens, and log-probs and gradients equal to rounding, with less work.
 
-Each section re-arranges one grpo.py function and names it; tests compare each with the grpo.py function it
-re-arranges (tokens identical, log-probs and gradients to fp32 rounding). A run chooses its speed-ups once
-(`choose`, from `SpeedConfig`: the flags) and the training step calls `sample`, `row_chunks` and
-`chunk_logprobs` on every path; `--no-shared-prefill --no-trunk-reuse` is the plain path of grpo.py.
+A run chooses them once (`choose`, from `SpeedConfig`: the flags); the training step calls `sample`,
+`row_chunks` and `chunk_logprobs` on every path, `--no-shared-prefill --no-trunk-reuse` being grpo.py's own.
+Each section re-arranges one grpo.py function:
 
-1. Shared prefill (re-arranges `grpo.sample_completions`). generate(num_return_sequences=G) copies every
-   prompt G times before its first forward, so the prompt (all L blocks over P tokens) is computed G times.
-   `sample_shared_prefill` runs it once per prompt, copies the KV cache to the G rows and decodes with
-   generate's own sampler, op for op: the same tokens for the same seed.
-2. The frozen trunk (re-arranges `grpo.completion_logprobs`). With LoRA only in the last K of L blocks, the
-   vision tower and the first L - K blocks compute the same activations for the policy, the old policy and the
-   reference. `capture_trunk` runs them once, without grad, and keeps what block L - K receives;
-   `trunk_logprobs` runs only the K adapted blocks from there. Sampling has already computed those
-   activations, one token at a time: `sample_shared_prefill(record_block=...)` records them and
-   `trunk_from_recording` turns the recording into the trunk, so no trunk forward is left at all.
-3. Micro-batches (re-arranges the loss's backward). `split_rows` cuts the N rows, and their images, into
-   chunks; `grpo.aggregate` takes the whole batch's totals, so the chunks' gradients sum to the whole one.
-4. Log-probs row by row (re-arranges `grpo.logprobs_from_logits`). The reference holds (N, T, V) fp32 copies
-   of the logits (the upcast, the log-softmax, the entropy's softmax) and autograd keeps them for backward;
-   `logprobs_row_by_row` upcasts one row at a time both ways (`selective_log_softmax`, a hand-written
-   backward), equal to the reference to rounding. `trunk_logprobs` uses it.
+1. Shared prefill (`sample_completions`). generate(num_return_sequences=G) prefills every prompt G times;
+   `sample_shared_prefill` prefills it once, copies the KV cache to the G rows and decodes with generate's
+   own sampler, op for op: the same tokens for the same seed.
+2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
+   the first L - K blocks compute the same activations for the policy, the old policy and the reference:
+   `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
+   the way (`record_block`), and `trunk_logprobs` runs only the K adapted blocks from there.
+3. Micro-batches (the loss's backward). `split_rows` cuts the N rows, and their images, into chunks;
+   `grpo.aggregate` takes the whole batch's totals, so the chunks' gradients sum to the whole one.
+4. Log-probs row by row (`logprobs_from_logits`). The reference holds (N, T, V) fp32 copies of the logits
+   (upcast, log-softmax, the entropy's softmax) for backward; `logprobs_row_by_row` upcasts one row at a
+   time both ways (`selective_log_softmax`, a hand-written backward).
 
 Letters as in grpo.py, and L decoder blocks, K adapted ones (first_adapted = L - K), H hidden size.
-NOTE: the trunk assumes, as holds for Qwen2 / Qwen2.5-VL: every adapted block receives the same keyword
-arguments (one attention type), and after blocks[first_adapted] the model runs only the remaining blocks,
-the final norm and the LM head (Qwen3-VL adds visual features in its first blocks, so first_adapted must lie
-past them; Gemma soft-caps logits). `decoder_parts` refuses the models it can see break this.
+NOTE: the trunk assumes, as holds for Qwen2 / Qwen2.5-VL, that the adapted blocks receive the same keyword
+arguments (one attention type) and that only they, the final norm and the LM head follow blocks[first_adapted]
+(Qwen3-VL adds visual features in its first blocks; Gemma soft-caps logits). `decoder_parts` refuses the
+models it can see break this.
 """
 
 import inspect
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import grpo
 import lora
@@ -44,21 +40,16 @@ import lora
 # --- 1. sampling with each prompt's prefill run once (grpo.sample_completions) ------------------------------
 
 
-def _draw(
-    logits: torch.Tensor, *, temperature: float, top_p: float, suppressed: torch.Tensor
-) -> torch.Tensor:
-    """Next tokens (N,) from the last position's logits (N, V): generate's processors and sampler, op for op.
-
-    suppress -> temperature -> top_p, in generate's order and dtype (fp32), then one multinomial draw per row,
-    so the same seed draws the same tokens. top_p drops the least likely tokens whose cumulative probability,
-    counted from the bottom, stays <= 1 - top_p. temperature == 0: argmax (greedy).
-    """
+def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tensor) -> Tensor:
+    """Next tokens (N,) from the last logits (N, V): generate's processors (suppress -> temperature -> top_p)
+    and sampler, op for op in its order and dtype (fp32), so the same seed draws the same tokens."""
     scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
-    if temperature == 0:
+    if temperature == 0:  # greedy
         return scores.argmax(dim=-1)
     if temperature != 1:
         scores = scores / temperature
     if top_p < 1:
+        # Drop the least likely tokens whose cumulative probability, counted from the bottom, is <= 1 - top_p.
         sorted_scores, order = torch.sort(scores, descending=False)  # (N, V) least likely first
         drop_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop_sorted[:, -1] = False  # NOTE: keep the most likely token even when top_p is tiny
@@ -67,51 +58,26 @@ def _draw(
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # (N,)
 
 
-def _first_new_position(model: torch.nn.Module, prompt_mask: torch.Tensor, has_images: bool) -> torch.Tensor:
-    """(B, 1) the RoPE position of each prompt's first new token, as generate numbers it.
-
-    Text counts real tokens (left padding skipped). Qwen-VL's mRoPE numbers an image's tokens by their grid
-    (t, h, w), not one by one, so a prompt with images ends at a smaller position: the model keeps that shift
-    per prompt as `rope_deltas` after the prefill, and new text tokens continue from there.
-    """
-    position = prompt_mask.long().sum(dim=1, keepdim=True)  # (B, 1)
-    if not has_images:
-        return position
-    deltas = getattr(getattr(model, "model", None), "rope_deltas", None)  # (B, 1), set by the prefill
-    if deltas is None or deltas.shape[0] != prompt_mask.shape[0]:
-        raise ValueError(
-            "sample_shared_prefill needs the Qwen-VL `model.model.rope_deltas` after an image prefill; this"
-            " model keeps none: sample with sample_completions (generate) instead"
-        )
-    return position + deltas.to(position.device)
-
-
-@contextmanager
-def _recording_inputs(block: torch.nn.Module | None) -> Iterator[list[torch.Tensor]]:
-    """A list of the hidden states entering `block` at each of its calls inside the `with` (None: empty)."""
-    recorded: list[torch.Tensor] = []
-
-    def record(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        recorded.append(args[0] if args else kwargs["hidden_states"])
-
-    handle = block.register_forward_pre_hook(record, with_kwargs=True) if block is not None else None
-    try:
-        yield recorded
-    finally:
-        if handle is not None:
-            handle.remove()
-
-
-def _prefill(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group_size: int) -> tuple[Any, ...]:
+def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tuple[Any, ...]:
     """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
-    last position's logits (N, V), the KV cache (N rows) and the position of the first new token (N, 1)."""
+    last logits (N, V), the KV cache (N rows) and the RoPE position of the first new token (N, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
     if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
         model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
     if not has_images:  # positions from each row's first real token, as in grpo.recompute_inputs
         prefill["position_ids"] = (inputs["attention_mask"].long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
     out = model(**prefill, use_cache=True, logits_to_keep=1)
-    position = _first_new_position(model, inputs["attention_mask"], has_images)  # (B, 1)
+    position = inputs["attention_mask"].long().sum(dim=1, keepdim=True)  # (B, 1) left padding skipped
+    if has_images:
+        # Qwen-VL's mRoPE numbers an image's tokens by their grid (t, h, w), not one by one, so the prompt
+        # ends at a smaller position: the prefill keeps that shift per prompt as `rope_deltas`.
+        deltas = getattr(getattr(model, "model", None), "rope_deltas", None)  # (B, 1)
+        if deltas is None or deltas.shape[0] != position.shape[0]:
+            raise ValueError(
+                "sample_shared_prefill needs the Qwen-VL `model.model.rope_deltas` after an image prefill;"
+                " this model keeps none: sample with sample_completions (generate) instead"
+            )
+        position = position + deltas.to(position.device)
     cache = out.past_key_values
     cache.batch_repeat_interleave(group_size)  # (B, ...) -> (N, ...): each prompt's keys and values, G times
     logits = out.logits[:, -1]  # (B, V)
@@ -120,8 +86,8 @@ def _prefill(model: torch.nn.Module, inputs: dict[str, torch.Tensor], group_size
 
 @torch.no_grad()
 def sample_shared_prefill(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
+    model: nn.Module,
+    inputs: dict[str, Tensor],
     *,
     group_size: int,
     max_new_tokens: int,
@@ -130,26 +96,25 @@ def sample_shared_prefill(
     eos_token_id: int | Sequence[int],
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
-    record_block: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`grpo.sample_completions(model, inputs, num_return_sequences=G, ...)` with each prompt prefilled once.
-
-    `inputs` holds the B un-expanded, LEFT-padded prompts. The prefill runs on them; its KV cache and last
-    logits are repeated G times (prompt b -> rows b*G .. b*G+G-1) and the N rows are decoded one token per
-    forward until every row has met EOS (then padded with pad_token_id) or max_new_tokens.
-    `record_block` (blocks[first_adapted]) also records the hidden states entering that block: the prompt's
-    P positions (copied to its G rows) and one per fed token, (N, P + T - 1, H), the last token being drawn
-    but never fed. With `trunk_from_recording` that is the update's frozen trunk, at no extra cost (equal to
-    a full forward to rounding: a KV-cache step sums its attention in another order).
-    Returns completion ids (N, T) and the recording (or None).
-    """
+    record_block: nn.Module | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """`grpo.sample_completions(..., num_return_sequences=G)` with each prompt prefilled once: B LEFT-padded
+    prompts in, ids (N, T) out (prompt b: rows b*G .. b*G+G-1). Given `record_block` (blocks[first_adapted]),
+    also what entered that block, (N, P + T - 1, H) (the last token is drawn, never fed): the frozen trunk,
+    equal to a full forward's to rounding (a KV-cache step sums in another order)."""
     grpo.check_inputs(inputs)
     grpo.check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
         raise ValueError(
             f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"
         )
-    with _recording_inputs(record_block) as recorded:
+    recorded: list[Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
+
+    def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        recorded.append(args[0] if args else kwargs["hidden_states"])
+
+    hooked = record_block is not None  # the hook's handle removes it on exit
+    with record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext():
         logits, cache, position = _prefill(model, inputs, group_size)  # (N, V), N rows, (N, 1)
         N, V = logits.shape
         mask = inputs["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
@@ -169,18 +134,16 @@ def sample_shared_prefill(
             if t == max_new_tokens - 1 or not running.any():
                 break
             mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)  # (N, P + t + 1)
-            out = model(
+            logits = model(
                 input_ids=token[:, None],
                 attention_mask=mask,
                 position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
                 past_key_values=cache,
                 use_cache=True,
-            )
-            logits = out.logits[:, -1]  # (N, V)
+            ).logits[:, -1]  # (N, V)
     if recorded:
         recorded[0] = recorded[0].repeat_interleave(group_size, dim=0)  # the prompt's (B, P, H) -> (N, P, H)
-    completion_ids = torch.stack(tokens, dim=1)  # (N, T)
-    return completion_ids, (torch.cat(recorded, dim=1) if recorded else None)
+    return torch.stack(tokens, dim=1), (torch.cat(recorded, dim=1) if recorded else None)
 
 
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------
@@ -190,25 +153,23 @@ def sample_shared_prefill(
 class Trunk:
     """What the frozen trunk (vision tower, embeddings, blocks before it) hands to blocks[first_adapted]."""
 
-    # (n, P + T - 1, H) the input of blocks[first_adapted], detached; the last completion token is left out
-    hidden_states: torch.Tensor
-    # The keyword arguments the model passed to that block, untouched: attention_mask (4D, or None),
-    # position_embeddings (cos, sin), Qwen-VL's multimodal RoPE included, position_ids, use_cache, ...
-    block_kwargs: dict[str, Any]
+    hidden_states: Tensor  # (n, P + T - 1, H) detached; the last completion token is left out
+    block_kwargs: dict[str, Any]  # as the model passed them: 4D mask or None, (m)RoPE (cos, sin), ...
 
 
 class _TrunkCaptured(Exception):
-    """Raised by a block's forward pre-hook to end the model's forward there."""
-
-    def __init__(self, hidden_states: torch.Tensor, block_kwargs: dict[str, Any]) -> None:
-        super().__init__("trunk captured")
-        self.hidden_states, self.block_kwargs = hidden_states, block_kwargs
+    """Raised by a block's forward pre-hook to end the forward there; args: (hidden states, block kwargs)."""
 
 
-def _check_frozen_trunk(
-    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], first_adapted: int
-) -> None:
-    """The trunk is shared only if nothing before blocks[first_adapted] trains (K <= L, tower frozen)."""
+def _trunk_inputs(
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
+    blocks: Sequence[nn.Module],
+    first_adapted: int,
+) -> dict[str, Tensor]:
+    """`grpo.recompute_inputs` but the last completion token (its output would predict a token past the end):
+    (n, P + T - 1); the trunk is shared only if nothing before blocks[first_adapted] trains."""
     if not 0 <= first_adapted < len(blocks):
         raise ValueError(f"need 1 <= K <= L adapted blocks, i.e. 0 <= first_adapted < {len(blocks)}")
     adapted = {id(p) for block in blocks[first_adapted:] for p in block.parameters()}
@@ -218,29 +179,19 @@ def _check_frozen_trunk(
         raise ValueError(
             f"trunk reuse needs every trainable parameter in blocks[{first_adapted}:]: {outside[:3]}"
         )
+    if completion_ids.shape[1] == 0:
+        raise ValueError("no completion tokens: nothing to compute log-probs for")
+    return grpo.recompute_inputs(inputs, completion_ids[:, :-1])
 
 
-def _accepts_encoder_outputs(model: torch.nn.Module) -> bool:
-    """Whether the model takes precomputed image features (`mm_encoder_outputs`, transformers >= 5)."""
-    # NOTE: a forward without the parameter would swallow it in **kwargs and leave the image tokens unfilled.
-    parameters = inspect.signature(model.forward).parameters
-    return hasattr(model, "get_image_features") and "mm_encoder_outputs" in parameters
-
-
-def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
-    """The vision tower's output for every image of the rows, each run of identical rows encoded only once.
-
-    The N rows hold each prompt's images G times, in consecutive rows. A row whose grids and pixels equal the
-    previous row's (compared exactly) reuses its embeddings. Returns `get_image_features`'s output with its
-    per-image tuples (`pooler_output`, Qwen3-VL's `deepstack_features`) re-indexed to one entry per image of
-    the N rows: what the forward takes as `mm_encoder_outputs["image"]` instead of `pixel_values`.
-    NOTE: equal to encoding every row up to rounding (the tower's matmuls see fewer patches at once).
-    """
+def _encode_images_once(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
+    """`get_image_features` for the N rows' images, a row equal to the previous one (a prompt's G rows are
+    consecutive; grids and pixels compared exactly) reusing its embeddings: `mm_encoder_outputs["image"]`.
+    NOTE: equal to encoding every row up to rounding (the tower's matmuls see fewer patches at once)."""
     images_per_row = _images_per_row(inputs).tolist()  # (N,)
     row_grids = inputs["image_grid_thw"].split(images_per_row)  # N blocks of (images of the row, 3)
     row_pixels = inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in row_grids])  # t * h * w patches
-    encoded, source = [], []  # rows to encode; for each image of the N rows, its index among the encoded ones
-    num_encoded = 0
+    encoded, source, num_encoded = [], [], 0  # rows to encode; each image's index among the encoded ones
     for r, n in enumerate(images_per_row):
         same = r > 0 and torch.equal(row_grids[r], row_grids[r - 1])  # shapes differ -> False, no error
         if not (same and torch.equal(row_pixels[r], row_pixels[r - 1])):
@@ -252,62 +203,44 @@ def _encode_images_once(model: torch.nn.Module, inputs: dict[str, torch.Tensor])
     grids = torch.cat([row_grids[r] for r in encoded])  # (encoded images, 3)
     features = model.get_image_features(pixels, grids, return_dict=True)
     features.pooler_output = tuple(features.pooler_output[i] for i in source)  # (tokens of image i, H) each
-    if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
-        features.deepstack_features = [
-            tuple(layer[i] for i in source) for layer in features.deepstack_features
-        ]
+    deepstack = getattr(features, "deepstack_features", None)  # Qwen3-VL: per layer, per image
+    if deepstack is not None:
+        features.deepstack_features = [tuple(layer[i] for i in source) for layer in deepstack]
     return features
 
 
 def _capture_block_input(
-    model: torch.nn.Module, kwargs: dict[str, Any], block: torch.nn.Module
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Run model(**kwargs) up to `block`; return the (hidden states, keyword arguments) the block receives.
+    model: nn.Module, kwargs: dict[str, Any], block: nn.Module
+) -> tuple[Tensor, dict[str, Any]]:
+    """Run model(**kwargs) up to `block`; return the (hidden states, keyword arguments) it receives. The
+    model's own code builds the masks and (m)RoPE; a pre-hook raises there: nothing from `block` on runs."""
 
-    A forward pre-hook records them and raises to end the forward there: the model's own code builds the masks
-    and (m)RoPE, none of it is re-implemented here, and nothing from `block` on is computed.
-    """
+    def stop(module: nn.Module, args: tuple, block_kwargs: dict[str, Any]) -> None:
+        raise _TrunkCaptured(args[0] if args else block_kwargs.pop("hidden_states"), dict(block_kwargs))
 
-    def stop(module: torch.nn.Module, args: tuple, block_kwargs: dict[str, Any]) -> None:
-        hidden_states = args[0] if args else block_kwargs.pop("hidden_states")
-        raise _TrunkCaptured(hidden_states, dict(block_kwargs))
-
-    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
-    try:
-        model(**kwargs, logits_to_keep=1, use_cache=False)
-    except _TrunkCaptured as captured:
-        return captured.hidden_states.detach(), captured.block_kwargs
-    finally:
-        handle.remove()
+    with block.register_forward_pre_hook(stop, with_kwargs=True):
+        try:
+            model(**kwargs, logits_to_keep=1, use_cache=False)
+        except _TrunkCaptured as captured:
+            return captured.args[0].detach(), captured.args[1]
     raise RuntimeError("the block was never called: pass one of the model's own decoder blocks")
-
-
-def _without_last_token(completion_ids: torch.Tensor) -> torch.Tensor:
-    """(n, T - 1): the last completion token's output would predict a token past the end, so the trunk stops
-    before it: P + T - 1 positions."""
-    if completion_ids.shape[1] == 0:
-        raise ValueError("no completion tokens: nothing to compute log-probs for")
-    return completion_ids[:, :-1]
 
 
 @torch.no_grad()
 def capture_trunk(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
 ) -> Trunk:
-    """Run the model up to blocks[first_adapted] once, without grad, and keep what that block receives.
-
-    Same inputs as `grpo.completion_logprobs`. The G rows of a prompt share its images, so each is encoded
-    once (`_encode_images_once`); a prompt whose rows fall into several micro-batches is encoded once per
-    chunk. The adapters may be on or off: none sits in the trunk (checked).
-    """
-    _check_frozen_trunk(model, blocks, first_adapted)
-    kwargs = grpo.recompute_inputs(inputs, _without_last_token(completion_ids))  # (n, P + T - 1)
-    if "pixel_values" in kwargs and _accepts_encoder_outputs(model):
+    """What blocks[first_adapted] receives, without grad, from `grpo.completion_logprobs`'s inputs; a prompt's
+    images are encoded once per micro-batch. Adapters on or off alike: none sits in the trunk (checked)."""
+    kwargs = _trunk_inputs(model, inputs, completion_ids, blocks, first_adapted)  # (n, P + T - 1)
+    # NOTE: a forward without this parameter (transformers < 5) swallows it and leaves image tokens unfilled.
+    takes_features = "mm_encoder_outputs" in inspect.signature(model.forward).parameters
+    if "pixel_values" in kwargs and hasattr(model, "get_image_features") and takes_features:
         del kwargs["pixel_values"]
         kwargs["mm_encoder_outputs"] = {"image": _encode_images_once(model, inputs)}
     return Trunk(*_capture_block_input(model, kwargs, blocks[first_adapted]))
@@ -315,75 +248,56 @@ def capture_trunk(
 
 @torch.no_grad()
 def trunk_from_recording(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
-    hidden_states: torch.Tensor,
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
+    hidden_states: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
 ) -> Trunk:
-    """The Trunk of n rows from the hidden states `sample_shared_prefill(record_block=...)` recorded.
-
-    `hidden_states` (n, P + T - 1, H) is those rows' slice of the recording. What is left to build is the
-    adapted blocks' keyword arguments (attention mask, (m)RoPE): the model builds them before blocks[0], so a
-    forward runs up to there only, without the images (masks and positions depend on ids, grids and the mask,
-    not on pixels, so the vision tower does not run).
-    NOTE: blocks[0] must receive the same keyword arguments as the adapted blocks (`record_block` checks).
-    """
-    _check_frozen_trunk(model, blocks, first_adapted)
-    # NOTE: a full forward would refuse image placeholders in a completion (no pixels for them); this one has
-    # no pixels at all, so it checks itself. Sampling suppresses them.
+    """The Trunk of n rows from their slice (n, P + T - 1, H) of `sample_shared_prefill`'s recording. The
+    blocks' keyword arguments (mask, (m)RoPE) depend on ids, grids and mask, not pixels: a forward without
+    images up to blocks[0] builds them (NOTE: the adapted blocks' must equal them: `record_block` checks)."""
+    kwargs = _trunk_inputs(model, inputs, completion_ids, blocks, first_adapted)  # (n, P + T - 1)
+    kwargs.pop("pixel_values", None)
+    # NOTE: no pixels, so no forward refuses a completion's image placeholders; sampling suppresses them.
     placeholders = [getattr(model.config, key, None) for key in ("image_token_id", "video_token_id")]
     if any(t is not None and bool((completion_ids == t).any()) for t in placeholders):
         raise ValueError(
             "a completion contains an image/video placeholder token: suppress them when sampling"
         )
-    kwargs = grpo.recompute_inputs(inputs, _without_last_token(completion_ids))  # (n, P + T - 1)
-    kwargs.pop("pixel_values", None)
     if hidden_states.shape[:2] != kwargs["input_ids"].shape:
         raise ValueError(
             f"recording {tuple(hidden_states.shape)} does not fit the rows {kwargs['input_ids'].shape}"
         )
-    _, block_kwargs = _capture_block_input(model, kwargs, blocks[0])
-    return Trunk(hidden_states, block_kwargs)
-
-
-def _run_block(
-    block: torch.nn.Module, hidden_states: torch.Tensor, block_kwargs: dict[str, Any], *, checkpointed: bool
-) -> torch.Tensor:
-    """One decoder block; `checkpointed` keeps only its input and recomputes the rest during backward."""
-    if checkpointed:
-        # Non-reentrant: gradients reach the LoRA weights although the input (trunk output) has none; the
-        # reentrant variant would silently give them none. The RNG state is replayed, so LoRA dropout agrees.
-        out = torch.utils.checkpoint.checkpoint(block, hidden_states, use_reentrant=False, **block_kwargs)
-    else:
-        out = block(hidden_states, **block_kwargs)
-    return out[0] if isinstance(out, tuple) else out  # a tuple from a few families' blocks (Chameleon, TrOCR)
+    return Trunk(hidden_states, _capture_block_input(model, kwargs, blocks[0])[1])
 
 
 def trunk_logprobs(
     trunk: Trunk,
-    completion_ids: torch.Tensor,
+    completion_ids: Tensor,
     *,
-    blocks: Sequence[torch.nn.Module],
+    blocks: Sequence[nn.Module],
     first_adapted: int,
-    norm: torch.nn.Module,
-    lm_head: torch.nn.Module,
+    norm: nn.Module,
+    lm_head: nn.Module,
     temperature: float,
     return_entropy: bool = False,
     gradient_checkpointing: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`grpo.completion_logprobs` from a trunk: blocks[first_adapted:], the final norm, the LM head.
-
-    Carries gradient into the adapted blocks when grad is enabled (the policy); under no_grad it gives
-    old_logp, and inside `lora.adapters_disabled` ref_logp. `gradient_checkpointing` checkpoints each adapted
-    block (only while grad is enabled).
-    """
+) -> tuple[Tensor, Tensor | None]:
+    """`grpo.completion_logprobs` from a trunk, through blocks[first_adapted:], the norm and the LM head: the
+    policy's with grad, old_logp under no_grad, ref_logp inside `lora.adapters_disabled`."""
     hidden_states = trunk.hidden_states  # (n, P + T - 1, H)
     checkpointed = gradient_checkpointing and torch.is_grad_enabled()
     for block in blocks[first_adapted:]:
-        hidden_states = _run_block(block, hidden_states, trunk.block_kwargs, checkpointed=checkpointed)
+        if checkpointed:
+            # Non-reentrant: gradients reach the LoRA weights although the trunk output has none (reentrant
+            # would silently give them none). The RNG state is replayed, so LoRA dropout agrees.
+            out = checkpoint(block, hidden_states, use_reentrant=False, **trunk.block_kwargs)
+        else:
+            out = block(hidden_states, **trunk.block_kwargs)
+        hidden_states = out[0] if isinstance(out, tuple) else out  # a few families' blocks return a tuple
     T = completion_ids.shape[1]
     # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2, the trunk's last T, predict the T
     # completion tokens. The norm acts on each position alone, so norm-then-slice equals slice-then-norm.
@@ -394,27 +308,21 @@ def trunk_logprobs(
 # --- 3. micro-batches (the loss's backward over all N rows at once) -----------------------------------------
 
 
-def _images_per_row(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """(N,) images in each row, counted as runs of 1s in mm_token_type_ids (checked against the grid count).
-    Qwen-VL wraps each image in <|vision_start|> .. <|vision_end|>, so two images never merge into one run."""
+def _images_per_row(inputs: dict[str, Tensor]) -> Tensor:
+    """(N,) images per row: runs of 1s in mm_token_type_ids (Qwen-VL wraps each image in <|vision_start|> ..
+    <|vision_end|>, so two images never merge into one run), checked against the grid count."""
     is_image = inputs["mm_token_type_ids"] == 1  # (N, P)
-    before = torch.cat([torch.zeros_like(is_image[:, :1]), is_image[:, :-1]], dim=1)  # (N, P) shifted right
-    images_per_row = (is_image & ~before).sum(dim=1)  # (N,) one run start per image
+    images_per_row = (is_image[:, 1:] & ~is_image[:, :-1]).sum(dim=1) + is_image[:, 0]  # (N,) run starts
     num_grids = inputs["image_grid_thw"].shape[0]
     if int(images_per_row.sum()) != num_grids:
         raise ValueError(f"mm_token_type_ids has {int(images_per_row.sum())} image runs, {num_grids} grids")
     return images_per_row
 
 
-def split_rows(
-    inputs: dict[str, torch.Tensor], chunk_size: int
-) -> list[tuple[slice, dict[str, torch.Tensor]]]:
-    """Cut N prompt rows into consecutive chunks of at most `chunk_size` rows, each with only its own images.
-
-    Returns (rows, chunk inputs) pairs. (N, P) tensors are sliced by rows; the flat `pixel_values` (patches,
-    D) and `image_grid_thw` (images, 3) are cut where the chunk's images end.
-    NOTE: a chunk whose rows carry no image drops the image keys (the model cannot encode zero images).
-    """
+def split_rows(inputs: dict[str, Tensor], chunk_size: int) -> list[tuple[slice, dict[str, Tensor]]]:
+    """(rows, inputs) of consecutive chunks of at most `chunk_size` of the N rows, each with only its images:
+    (N, P) tensors by rows, the flat `pixel_values` (patches, D) and `image_grid_thw` (images, 3) where the
+    chunk's images end. NOTE: a chunk without images drops the image keys (the model cannot encode zero)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     grpo.check_inputs(inputs)
@@ -440,7 +348,7 @@ def split_rows(
 # --- 4. log-probs row by row (grpo.logprobs_from_logits) ---------------------------------------------------
 
 
-def _upcast(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def _upcast(logits: Tensor, temperature: float) -> Tensor:
     """logits / temperature in at least fp32 (a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
     the ratio); no copy when there is nothing to do (fp32 logits, temperature 1)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
@@ -452,7 +360,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
     autograd through a row loop would keep every row's fp32 upcast alive; this saves an (N, T) logsumexp."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(ctx, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
         lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
         picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
         ctx.save_for_backward(logits, index, lse)
@@ -461,7 +369,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         logits, index, lse = ctx.saved_tensors
         scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
         grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
@@ -469,14 +377,11 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
             # d logp / d z = onehot(index) - softmax(z) for z = logits / temperature, times the incoming grad.
             z = _upcast(logits[i], ctx.temperature)  # (T, V); may be logits[i] itself: no in-place op on it
             row = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
-            row.scatter_add_(-1, index[i, :, None], scale[i, :, None])
-            grad_logits[i] = row
+            grad_logits[i] = row.scatter_add_(-1, index[i, :, None], scale[i, :, None])  # + scale at index
         return grad_logits, None, None
 
 
-def selective_log_softmax(
-    logits: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0) -> Tensor:
     """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
     in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
     if not temperature > 0:
@@ -485,8 +390,8 @@ def selective_log_softmax(
 
 
 def logprobs_row_by_row(
-    logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: Tensor, completion_ids: Tensor, *, temperature: float, return_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """`grpo.logprobs_from_logits`, one row's fp32 copy at a time: logp [and entropy] (N, T) from shifted
     logits (N, T, V); temperature 0 counts as 1."""
     temperature = temperature if temperature > 0 else 1.0
@@ -507,16 +412,13 @@ class SpeedConfig:
     """Which re-arrangements a run uses; none changes the results. Field names are train.py's flags."""
 
     shared_prefill: bool = True
-    """Our decoding loop (speedups.sample_shared_prefill): each prompt prefilled once, its KV cache copied to
-    its G rows, the frozen trunk recorded on the way (--trunk-reuse). Same tokens as --no-shared-prefill:
-    transformers' generate, which prefills every prompt G times."""
+    """Prefill each prompt once and copy its KV cache to its G rows (`sample_shared_prefill`), recording the
+    trunk (--trunk-reuse). Same tokens as --no-shared-prefill: generate, which prefills a prompt G times."""
     trunk_reuse: bool = True
-    """Compute the frozen trunk (vision tower and the first L - K blocks) once per batch, without grad (with
-    --shared-prefill: recorded while sampling, no extra forward), and run only the K adapted blocks for the
-    policy, the reference and the old policy. --no-trunk-reuse: a full forward for each."""
+    """Run the frozen trunk (vision tower, first L - K blocks) once per batch without grad (recorded while
+    sampling with --shared-prefill), then only the K adapted blocks per pass; else a full forward each."""
     micro_batch_size: int | None = None
-    """Rows per chunk of the log-prob recomputes and of the backward (gradient accumulation, same loss).
-    None: all N = B*G rows at once."""
+    """Rows per chunk of the log-prob passes and the backward (gradient accumulation, same loss). None: N."""
     gradient_checkpointing: bool = False
     """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
 
@@ -527,15 +429,14 @@ class SpeedConfig:
 
 @dataclass
 class Plan:
-    """The speed-ups of one run, chosen once (`choose`); `sample`, `row_chunks` and `chunk_logprobs` read it,
-    so the training step has one text for every path. All None / False: the plain path of grpo.py."""
+    """A run's speed-ups, chosen once (`choose`), read by the step's three calls. All None: the plain path."""
 
     config: SpeedConfig
     parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
-    record_block: torch.nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
+    record_block: nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
 
 
-def decoder_parts(model: torch.nn.Module, last_k: int) -> dict[str, Any]:
+def decoder_parts(model: nn.Module, last_k: int) -> dict[str, Any]:
     """blocks, first_adapted, the final norm and the LM head: the trunk functions' keyword arguments."""
     path, blocks = lora.find_decoder_blocks(model)
     first_adapted = len(blocks) - last_k  # 1 <= K <= L is checked by inject_lora and the trunk functions
@@ -548,15 +449,10 @@ def decoder_parts(model: torch.nn.Module, last_k: int) -> dict[str, Any]:
     if first_adapted < len(getattr(vision_config, "deepstack_visual_indexes", None) or []):
         raise ValueError("LoRA reaches the blocks that receive deepstack features; use --no-trunk-reuse")
     norm = model.get_submodule(path.rpartition(".")[0]).norm  # applied to the last block's output
-    return {
-        "blocks": blocks,
-        "first_adapted": first_adapted,
-        "norm": norm,
-        "lm_head": model.get_output_embeddings(),
-    }
+    return dict(blocks=blocks, first_adapted=first_adapted, norm=norm, lm_head=model.get_output_embeddings())
 
 
-def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Module:
+def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
     """blocks[first_adapted], whose input `sample_shared_prefill` records as the trunk."""
     # NOTE: trunk_from_recording takes the adapted blocks' mask from blocks[0]: one attention type needed.
     types = getattr(model.config.get_text_config(), "layer_types", None) or []
@@ -565,9 +461,8 @@ def record_block(model: torch.nn.Module, parts: dict[str, Any]) -> torch.nn.Modu
     return parts["blocks"][parts["first_adapted"]]
 
 
-def choose(model: torch.nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
-    """The run's Plan, once, after LoRA is injected: the decoder parts trunk reuse runs, the block shared
-    prefill records at; for checkpointing without a trunk, transformers' own checkpointing switched on."""
+def choose(model: nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
+    """The run's Plan, made after LoRA is injected; without a trunk, checkpointing is transformers' own."""
     if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
         enable_plain_checkpointing(model)
     if not config.trunk_reuse:
@@ -577,17 +472,16 @@ def choose(model: torch.nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
 
 
 def sample(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
+    model: nn.Module,
+    inputs: dict[str, Tensor],
     plan: Plan,
     *,
     group_size: int,
     record: bool = True,
     **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """G completions of each of the B prompts, (ids (N, T), trunk recording or None): `sample_shared_prefill`
-    or, on the plain path, `grpo.sample_completions`. `options` are the samplers' (max_new_tokens,
-    temperature, top_p, eos_token_id, pad_token_id, suppress_token_ids); `record` False: no recording."""
+) -> tuple[Tensor, Tensor | None]:
+    """G completions of each of the B prompts, (ids (N, T), trunk recording or None if not `record`), from
+    `sample_shared_prefill` or (plain) `grpo.sample_completions`, given the samplers' `options`."""
     if plan.config.shared_prefill:
         block = plan.record_block if record else None
         return sample_shared_prefill(model, inputs, group_size=group_size, record_block=block, **options)
@@ -599,17 +493,13 @@ class RowChunk:
     """One micro-batch of rows: its prompt inputs, completions and (with trunk reuse) its frozen trunk."""
 
     rows: slice  # which of the N rows
-    inputs: dict[str, torch.Tensor]  # input_ids (n, P), ..., and only these rows' images
-    completion_ids: torch.Tensor  # (n, T)
+    inputs: dict[str, Tensor]  # input_ids (n, P), ..., and only these rows' images
+    completion_ids: Tensor  # (n, T)
     trunk: Trunk | None = None
 
 
 def row_chunks(
-    model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
-    recording: torch.Tensor | None,
-    plan: Plan,
+    model: nn.Module, inputs: dict[str, Tensor], completion_ids: Tensor, recording: Tensor | None, plan: Plan
 ) -> list[RowChunk]:
     """The N rows as the log-prob passes take them: all at once (the plain path), or micro-batches, each with
     its frozen trunk under trunk reuse, from the sampler's `recording` (N, P + T - 1, H) or captured here."""
@@ -621,31 +511,27 @@ def row_chunks(
         chunk = RowChunk(rows, chunk_inputs, completion_ids[rows])
         if parts is not None:
             frozen = dict(blocks=parts["blocks"], first_adapted=parts["first_adapted"])
+            args = (model, chunk.inputs, chunk.completion_ids)
             if recording is not None:
-                chunk.trunk = trunk_from_recording(
-                    model, chunk.inputs, chunk.completion_ids, recording[rows], **frozen
-                )
+                chunk.trunk = trunk_from_recording(*args, recording[rows], **frozen)
             else:  # adapters on or off does not matter: none sits in the trunk
-                chunk.trunk = capture_trunk(model, chunk.inputs, chunk.completion_ids, **frozen)
+                chunk.trunk = capture_trunk(*args, **frozen)
         chunks.append(chunk)
     return chunks
 
 
 def chunk_logprobs(
-    model: torch.nn.Module, chunk: RowChunk, plan: Plan, *, temperature: float, return_entropy: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp (n, T) [and entropy] of a chunk: `grpo.completion_logprobs` (a full forward), or the adapted
-    blocks on the chunk's frozen trunk (`trunk_logprobs`)."""
+    model: nn.Module, chunk: RowChunk, plan: Plan, *, temperature: float, return_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Chunk logp (n, T) [and entropy]: a full forward (`grpo.completion_logprobs`), or `trunk_logprobs`."""
     options = dict(temperature=temperature, return_entropy=return_entropy)
     if chunk.trunk is None:
         return grpo.completion_logprobs(model, chunk.inputs, chunk.completion_ids, **options)
-    checkpointing = plan.config.gradient_checkpointing
-    return trunk_logprobs(
-        chunk.trunk, chunk.completion_ids, **options, **plan.parts, gradient_checkpointing=checkpointing
-    )
+    checkpointing = dict(gradient_checkpointing=plan.config.gradient_checkpointing)
+    return trunk_logprobs(chunk.trunk, chunk.completion_ids, **options, **plan.parts, **checkpointing)
 
 
-def enable_plain_checkpointing(model: torch.nn.Module) -> None:
+def enable_plain_checkpointing(model: nn.Module) -> None:
     """transformers' non-reentrant checkpointing of every block, for the plain path (no trunk)."""
     # transformers >= 5.23 renamed gradient_checkpointing_enable (deprecated until v6) to this.
     if hasattr(model, "activation_checkpointing_enable"):
