@@ -274,6 +274,9 @@ def optimal_assignment(weights: Sequence[Sequence[float]]) -> list[tuple[int, in
     return sorted((owner[j] - 1, j - 1) for j in range(1, m + 1) if owner[j])
 
 
+# --- rewards and their ground truth -----------------------------------------------------------------------
+
+
 def _gt_box(value: Any, name: str) -> Box:
     try:
         box = tuple(float(v) for v in value)
@@ -295,9 +298,6 @@ def _gt_region(sample: Mapping[str, Any]) -> list[Polygon]:
     if not region or any(len(poly) < 3 for poly in region):
         raise ValueError(f"sample region must be polygons of >= 3 [x, y] vertices, got {sample['region']!r}")
     return region
-
-
-# --- rewards and their ground truth -----------------------------------------------------------------------
 
 
 def iou_reward(completion: str, sample: Mapping[str, Any]) -> float:

@@ -40,10 +40,11 @@ Combining (`score`): total = sum(weight * value), except that a completion with 
 gates failed. NOTE: samples are not broadcast over a group; the trainer repeats each sample G times.
 
 Plug-in contract (`load_reward("module:function")` or `load_reward("path/to/file.py:function")`): a callable
-that accepts `(completion, sample)` positionally and returns a finite int or float; bool, None, NaN, inf and
-anything else raise ValueError naming the reward, the completion index and the sample id. A reward needing
-the completion's token count declares a KEYWORD-ONLY `completion_length`, which `score` passes to exactly
-those rewards (`inspect.signature`). Any other parameter must have a default or be bound at load time.
+that accepts `(completion, sample)` positionally and returns a finite int or float; bool (almost always a
+forgotten float()), None, NaN, inf (which would poison the group's std) and anything else raise ValueError
+naming the reward, the completion index and the sample id. A reward needing the completion's token count
+declares a KEYWORD-ONLY `completion_length`, which `score` passes to exactly those rewards
+(`inspect.signature`). Any other parameter must have a default or be bound at load time.
 """
 
 import dataclasses
@@ -230,9 +231,8 @@ def score(
     for what, given in (("samples", samples), ("completion_lengths", completion_lengths)):
         if given is not None and len(given) != n:
             raise ValueError(f"got {n} completions but {len(given)} {what}")
-    names = [r.name for r in rewards]
-    if len(set(names)) != len(names):
-        raise ValueError(f"reward names must be unique, got {names}")
+    if len({r.name for r in rewards}) != len(rewards):
+        raise ValueError(f"reward names must be unique, got {[r.name for r in rewards]}")
     components: dict[str, list[float]] = {}
     for r in rewards:
         wants_length = _wants_completion_length(r.fn)
@@ -246,15 +246,12 @@ def score(
             except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
                 _name_the_failure(e, r.name, i, sample)
                 raise
-            # bool is almost always a forgotten float(); a non-finite value would poison the group's std.
             if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value)):
                 raise _bad_value(value, r.name, i, sample)
             values.append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
-    total = []
-    for i in range(n):
-        weighted = sum(r.weight * components[r.name][i] for r in rewards)
-        total.append(0.0 if any(failed[i] for failed in gate_failed.values()) else float(weighted))
+    weighted = [float(sum(r.weight * components[r.name][i] for r in rewards)) for i in range(n)]  # (N,)
+    total = [0.0 if any(failed[i] for failed in gate_failed.values()) else w for i, w in enumerate(weighted)]
     return Scores(total=total, components=components, gate_failed=gate_failed)
 
 
