@@ -1,48 +1,40 @@
 """Grounding rewards (boxes, points, regions, counts) that are right in every Qwen-VL coordinate frame.
 
-A grounding reward compares numbers the model wrote with numbers a dataset stores, and the two rarely live in
-the same frame. Three frames meet (w x h is the ORIGINAL image, as stored on disk):
+A grounding reward compares numbers the model wrote with numbers a dataset stores, and the two rarely share
+a frame. Three frames meet (w x h is the ORIGINAL image, as stored on disk):
+- original: the dataset's ground truth, pixels of the original image, x in [0, w], y in [0, h].
+- absolute: Qwen2.5-VL writes pixels of the RESIZED W' x H' image its vision tower saw, x * W' / w and
+  y * H' / h. The image processor's `smart_resize` rounds both sides to multiples of patch_size * merge_size
+  = 14 * 2 = 28 within [min_pixels, max_pixels], so 333 x 517 is seen as 336 x 504 and 1001 x 77 as 1008 x 84.
+- relative1000: Qwen2-VL and Qwen3-VL write a 0-1000 grid over the image, whatever its size: x * 1000 / w,
+  y * 1000 / h (so Qwen3-VL's resizing to multiples of 16 * 2 = 32 never shows). Qwen2-VL writes a box as
+  `<|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`; Qwen3-VL, like
+  Qwen2.5-VL, as JSON `{"bbox_2d": [x1, y1, x2, y2], "label": "name"}`.
 
-    original      the dataset's ground truth: pixels of the original image, x in [0, w], y in [0, h].
-    absolute      Qwen2.5-VL writes pixels of the RESIZED image its vision tower saw. The image processor's
-                  `smart_resize` rounds both sides to multiples of patch_size * merge_size = 14 * 2 = 28 and
-                  scales the image into [min_pixels, max_pixels], so 333 x 517 is seen as 336 x 504 and
-                  1001 x 77 as 1008 x 84: x_abs = x * W' / w, y_abs = y * H' / h for a resized W' x H'.
-    relative1000  Qwen2-VL and Qwen3-VL write coordinates on a 0-1000 grid over the image, whatever its size:
-                  x_rel = x * 1000 / w, y_rel = y * 1000 / h. Qwen2-VL writes a box as
-                  `<|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>`;
-                  Qwen3-VL as JSON, `{"bbox_2d": [x1, y1, x2, y2], "label": "name"}`, like Qwen2.5-VL.
-                  (Qwen3-VL resizes to multiples of 16 * 2 = 32, which a relative frame never sees.)
-
-Both model frames are an axis-aligned scaling of the original one (s_x, s_y > 0), so IoU and inside-ness
-are the same in every frame, but distances are not (a 10-pixel margin is 30 units on a 0-1000 grid over a
-333-pixel-wide image). Every reward therefore maps the PREDICTION back to original pixels and compares
-there; ground truth is never touched. `to_model_frame` is the forward map (for writing targets or prompts),
-`to_original_frame` its inverse, `frame_for_model_type` picks the frame from `config.model_type`.
+Both model frames scale the original one along its axes (s_x, s_y > 0): IoU and inside-ness agree in every
+frame, distances do not (a 10-pixel margin is 30 units on a 0-1000 grid over a 333-pixel-wide image). So
+every reward maps the PREDICTION back to original pixels (`to_original_frame`, the inverse of
+`to_model_frame`, which writes targets or prompts) and compares there, never touching ground truth.
 
 The sample contract (the trainer fills "grounding"; the dataset the rest, all in ORIGINAL pixels):
-    sample["grounding"] = {"frame": "absolute" | "relative1000", "original_size": [w, h],
-                           "resized_size": [w', h']}   of the sample's FIRST image; grounding rewards use
-                           the first image. Absent: the model's frame is taken to be the data's (identity).
-    sample["bbox"]    one box [x1, y1, x2, y2];     sample["boxes"]  a list of boxes (else [bbox]);
-    sample["region"]  polygons, each a list of [x, y] vertices;  sample["margin"]  pixels (negative_points);
-    sample["count"]   a non-negative int.
+- sample["grounding"] = {"frame": "absolute" | "relative1000", "original_size": [w, h], "resized_size":
+  [w', h']} of the sample's FIRST image, the one the rewards read. Absent: the model's frame is the data's.
+- sample["bbox"] a box [x1, y1, x2, y2], sample["boxes"] a list of them (else [bbox]), sample["region"]
+  polygons of [x, y] vertices, sample["margin"] pixels (negative_points), sample["count"] an int >= 0.
 
 Choices:
 - Parsing reads the answer text (the last `<answer>…</answer>` block, else the whole completion) and never
   raises. A box is any innermost JSON list of exactly four finite numbers (so `{"bbox_2d": [...]}`, lists of
-  such dicts, ```json fences and bare lists all parse, keys unread) or a `(x1,y1),(x2,y2)` pair, with or
-  without Qwen2-VL's box tokens. A point is any innermost JSON list of two numbers (`{"point_2d": [x, y]}`)
-  or an `(x,y)` outside box tokens. Boxes and points keep the order they are written in. Boxes with
-  x2 <= x1 or y2 <= y1 and anything non-finite are dropped, never repaired (no swapping of corners, no
-  clipping to the image).
+  such dicts, ```json fences and bare lists all parse, keys unread) or a `(x1,y1),(x2,y2)` pair, box tokens
+  optional; a point, any innermost JSON list of two numbers (`{"point_2d": [x, y]}`) or an `(x,y)` outside
+  box tokens; both in the order written. Boxes with x2 <= x1 or y2 <= y1 and anything non-finite are
+  dropped, never repaired (no swapping of corners, no clipping).
 - Areas are continuous, (x2 - x1) * (y2 - y1), no +1 pixel convention. Boundaries count as inside.
-- Multi-box matching is one-to-one and exact (Hungarian algorithm, `optimal_assignment`), not greedy.
-  box_iou_mean maximises total IoU; box_f1 maximises the number of pairs at IoU >= 0.5 (the best F1 there
-  is, never below the IoU-optimal matching's count).
-- Ground truth that is malformed raises ValueError (a silent 0 would hide a broken dataset); a malformed
-  completion earns 0. Where the ground truth has NO object (boxes = [] or count = 0), predicting none is right
-  and earns 1 (box_iou_mean, box_f1, count).
+- Multi-box matching is one-to-one and exact (Hungarian algorithm, `optimal_assignment`), not greedy:
+  box_iou_mean maximises total IoU, box_f1 the number of pairs at IoU >= 0.5 (the best F1 there is).
+- Malformed ground truth raises ValueError (a silent 0 would hide a broken dataset); a malformed completion
+  earns 0. Where the ground truth has NO object (boxes = [] or count = 0), predicting none is right and
+  earns 1 (box_iou_mean, box_f1, count).
 """
 
 import functools
@@ -55,6 +47,7 @@ from typing import Any
 Box = tuple[float, float, float, float]  # x1, y1, x2, y2
 Point = tuple[float, float]  # x, y
 Polygon = list[Point]
+Size = Sequence[float]  # width, height
 
 FRAMES = ("absolute", "relative1000")
 
@@ -83,28 +76,16 @@ def answer_text(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-def _finite_numbers(value: Any, n: int) -> tuple[float, ...] | None:
-    """`value` as n finite floats if it is a list of n real numbers (not bools), else None."""
-    if not isinstance(value, list) or len(value) != n:
-        return None
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
-        return None
-    try:
-        floats = tuple(float(v) for v in value)
-    except OverflowError:  # NOTE: json.loads gives exact ints, and float(10**400) overflows
-        return None
-    return floats if all(math.isfinite(v) for v in floats) else None  # json.loads accepts NaN, Infinity
-
-
 def _json_lists(text: str, n: int) -> list[tuple[int, tuple[float, ...]]]:
     """(position, numbers) of every innermost [...] in `text` that is a JSON list of n finite numbers."""
     found = []
     for m in _LIST_RE.finditer(text):
-        try:
-            numbers = _finite_numbers(json.loads(m.group()), n)
-        except ValueError:  # JSONDecodeError, and ints past Python's digit limit
+        try:  # NOTE: json.loads accepts NaN and Infinity, and its exact ints can overflow float (10**400)
+            values = json.loads(m.group())  # a list: the match starts with "["
+            numbers = tuple(float(v) for v in values if type(v) in (int, float))  # a bool is no number
+        except (ValueError, OverflowError):  # not JSON, an int past Python's digit limit, or past float's
             continue
-        if numbers is not None:
+        if len(numbers) == len(values) == n and all(math.isfinite(v) for v in numbers):
             found.append((m.start(), numbers))
     return found
 
@@ -114,16 +95,14 @@ def _is_box(box: Sequence[float]) -> bool:
 
 
 def parse_boxes(text: str) -> list[Box]:
-    """Every non-degenerate box in `text`, in the order written: JSON lists of four numbers and
-    `(x1,y1),(x2,y2)` pairs (Qwen2-VL's form, box tokens optional)."""
+    """Every non-degenerate box in `text`, in the order written (the module docstring says which parse)."""
     found = _json_lists(text, 4)
     found += [(m.start(), tuple(float(g) for g in m.groups())) for m in _PAIR_BOX_RE.finditer(text)]
     return [box for _, box in sorted(found) if _is_box(box)]
 
 
 def parse_points(text: str) -> list[Point]:
-    """Every point in `text`, in the order written: JSON lists of two numbers and `(x,y)` pairs that are
-    not the corners of a `<|box_start|>…<|box_end|>` box."""
+    """Every point in `text`, in the order written; `(x,y)` corners of a `<|box_start|>` box are none."""
     found = _json_lists(text, 2)
     # Blank out the box-token spans (same length, so positions still sort) before looking for (x,y).
     outside_boxes = _BOX_TOKENS_RE.sub(lambda m: " " * len(m.group()), text)
@@ -155,9 +134,8 @@ def resolve_frame(
         return None
     if requested != "auto":
         return requested
-    if model_type in _MODEL_TYPE_FRAMES or any(name in REWARDS for name in readers):
-        return frame_for_model_type(model_type)
-    return None
+    needed = model_type in _MODEL_TYPE_FRAMES or any(name in REWARDS for name in readers)
+    return frame_for_model_type(model_type) if needed else None
 
 
 def _size(value: Any, name: str) -> tuple[float, float]:
@@ -170,7 +148,7 @@ def _size(value: Any, name: str) -> tuple[float, float]:
     return w, h
 
 
-def _scale(frame: str, original_size: Sequence[float], resized_size: Sequence[float] | None) -> Point:
+def _scale(frame: str, original_size: Size, resized_size: Size | None) -> Point:
     """(s_x, s_y): model-frame units per original pixel."""
     w, h = _size(original_size, "original_size")
     if frame == "absolute":
@@ -182,11 +160,7 @@ def _scale(frame: str, original_size: Sequence[float], resized_size: Sequence[fl
 
 
 def to_model_frame(
-    coords: Sequence[float],
-    *,
-    frame: str,
-    original_size: Sequence[float],
-    resized_size: Sequence[float] | None = None,
+    coords: Sequence[float], *, frame: str, original_size: Size, resized_size: Size | None = None
 ) -> tuple[float, ...]:
     """A box (x1, y1, x2, y2) or point (x, y) in original pixels, written in the model's frame.
     `resized_size` (w', h' after smart_resize) is needed by the absolute frame only."""
@@ -195,11 +169,7 @@ def to_model_frame(
 
 
 def to_original_frame(
-    coords: Sequence[float],
-    *,
-    frame: str,
-    original_size: Sequence[float],
-    resized_size: Sequence[float] | None = None,
+    coords: Sequence[float], *, frame: str, original_size: Size, resized_size: Size | None = None
 ) -> tuple[float, ...]:
     """The inverse of `to_model_frame`: a box or point in the model's frame, in original pixels."""
     sx, sy = _scale(frame, original_size, resized_size)
@@ -207,45 +177,34 @@ def to_original_frame(
 
 
 def _to_original(sample: Mapping[str, Any]) -> Callable[[Sequence[float]], tuple[float, ...]]:
-    """The map from the model's frame to original pixels that sample["grounding"] describes (identity
-    when the sample has none: the frames are taken to agree)."""
+    """Model frame -> original pixels, as sample["grounding"] says (without one, the frames agree)."""
     spec = sample.get("grounding")
     if spec is None:
         return tuple
     if not isinstance(spec, Mapping) or "frame" not in spec or "original_size" not in spec:
         raise ValueError(f'sample["grounding"] must have "frame" and "original_size", got {spec!r}')
-    frame, original_size, resized_size = spec["frame"], spec["original_size"], spec.get("resized_size")
-    _scale(frame, original_size, resized_size)  # a bad spec fails on every sample, not only those with a box
-    return functools.partial(
-        to_original_frame, frame=frame, original_size=original_size, resized_size=resized_size
-    )
+    sizes = {key: spec.get(key) for key in ("frame", "original_size", "resized_size")}
+    _scale(**sizes)  # a bad spec fails on every sample, not only those with a box
+    return functools.partial(to_original_frame, **sizes)
 
 
 def predicted_boxes(completion: str, sample: Mapping[str, Any]) -> list[Box]:
     """The completion's boxes (answer text), in original pixels."""
-    to_original = _to_original(sample)
-    return [to_original(b) for b in parse_boxes(answer_text(completion))]
+    return list(map(_to_original(sample), parse_boxes(answer_text(completion))))
 
 
 def predicted_points(completion: str, sample: Mapping[str, Any]) -> list[Point]:
     """The completion's points (answer text), in original pixels."""
-    to_original = _to_original(sample)
-    return [to_original(p) for p in parse_points(answer_text(completion))]
+    return list(map(_to_original(sample), parse_points(answer_text(completion))))
 
 
-# --- geometry ---------------------------------------------------------------------------------------------
+# --- geometry and matching --------------------------------------------------------------------------------
 
 
 def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
     """Intersection over union of two non-degenerate boxes (continuous areas, no +1)."""
-    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = iw * ih
+    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
-
-
-def _in_box(p: Point, box: Sequence[float]) -> bool:
-    return box[0] <= p[0] <= box[2] and box[1] <= p[1] <= box[3]
 
 
 def _edges(region: Sequence[Polygon]):
@@ -267,29 +226,22 @@ def boundary_distance(p: Point, region: Sequence[Polygon]) -> float:
 
 
 def in_region(p: Point, region: Sequence[Polygon]) -> bool:
-    """Whether `p` is in `region`: even-odd rule over ALL its edges (a polygon inside another is a hole);
-    a point on an edge is inside."""
+    """Whether `p` is in `region`: even-odd rule over ALL its edges (a nested polygon is a hole), edges in."""
     if boundary_distance(p, region) == 0.0:
         return True
     crossings = 0
     for a, b in _edges(region):
-        # Edge straddles the horizontal line through p (half-open, so a vertex is counted once) and meets
-        # it to the right of p: one crossing of the ray from p towards +x.
+        # An edge across the line y = p.y (half-open: a vertex counts once) and right of p crosses the +x ray.
         if (a[1] > p[1]) != (b[1] > p[1]):
             x = a[0] + (p[1] - a[1]) * (b[0] - a[0]) / (b[1] - a[1])
             crossings += x > p[0]
     return crossings % 2 == 1
 
 
-# --- matching ---------------------------------------------------------------------------------------------
-
-
 def optimal_assignment(weights: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
-    """Row-column pairs (each row and column at most once, min(rows, cols) pairs) of maximum total weight.
-
-    Hungarian algorithm with potentials (Kuhn-Munkres; the O(n^2 m) shortest-augmenting-path form), on
-    cost = -weight, with n <= m rows (the matrix is transposed otherwise), so a completion that spams boxes
-    costs time linear in its box count."""
+    """Row-column pairs (each row and column at most once, min(rows, cols) pairs) of maximum total weight:
+    Hungarian algorithm with potentials (Kuhn-Munkres, O(n^2 m) shortest augmenting paths) on cost = -weight,
+    n <= m rows (else transposed), so a completion that spams boxes costs time linear in their number."""
     if not weights or not weights[0]:
         return []
     if len(weights) > len(weights[0]):
@@ -322,7 +274,7 @@ def optimal_assignment(weights: Sequence[Sequence[float]]) -> list[tuple[int, in
     return sorted((owner[j] - 1, j - 1) for j in range(1, m + 1) if owner[j])
 
 
-# --- ground truth -----------------------------------------------------------------------------------------
+# --- rewards and their ground truth -----------------------------------------------------------------------
 
 
 def _gt_box(value: Any, name: str) -> Box:
@@ -336,7 +288,6 @@ def _gt_box(value: Any, name: str) -> Box:
 
 
 def _gt_boxes(sample: Mapping[str, Any]) -> list[Box]:
-    """sample["boxes"], or [sample["bbox"]] when there is no "boxes"."""
     if "boxes" in sample:
         return [_gt_box(b, "boxes entry") for b in sample["boxes"]]
     return [_gt_box(sample["bbox"], "bbox")]
@@ -349,18 +300,10 @@ def _gt_region(sample: Mapping[str, Any]) -> list[Polygon]:
     return region
 
 
-# --- rewards ----------------------------------------------------------------------------------------------
-
-
 def iou_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """IoU in [0, 1] of the LAST box of the answer with sample["bbox"]; 0 when there is no box."""
-    gold = _gt_box(sample["bbox"], "bbox")
-    boxes = predicted_boxes(completion, sample)
+    gold, boxes = _gt_box(sample["bbox"], "bbox"), predicted_boxes(completion, sample)
     return box_iou(boxes[-1], gold) if boxes else 0.0
-
-
-def _iou_matrix(pred: list[Box], gold: list[Box]) -> list[list[float]]:
-    return [[box_iou(p, g) for g in gold] for p in pred]  # (#pred, #gt)
 
 
 def box_iou_mean(completion: str, sample: Mapping[str, Any]) -> float:
@@ -369,41 +312,38 @@ def box_iou_mean(completion: str, sample: Mapping[str, Any]) -> float:
     pred, gold = predicted_boxes(completion, sample), _gt_boxes(sample)
     if not pred and not gold:
         return 1.0  # NOTE: nothing to find and nothing found
-    ious = _iou_matrix(pred, gold)
+    ious = [[box_iou(p, g) for g in gold] for p in pred]  # (#pred, #gt)
     return sum(ious[i][j] for i, j in optimal_assignment(ious)) / max(len(pred), len(gold))
 
 
 def box_f1(completion: str, sample: Mapping[str, Any], *, iou_threshold: float = 0.5) -> float:
-    """F1 = 2 TP / (#pred + #gt), TP the most one-to-one pairs with IoU >= iou_threshold (GT boxes as in
-    box_iou_mean)."""
+    """F1 = 2 TP / (#pred + #gt); TP: most one-to-one pairs at IoU >= iou_threshold (GT as box_iou_mean)."""
     pred, gold = predicted_boxes(completion, sample), _gt_boxes(sample)
     if not pred and not gold:
         return 1.0  # NOTE: nothing to find and nothing found
     # The matching maximises the count of hits itself, not total IoU: a higher-IoU matching can hold fewer.
-    hits = [[float(iou >= iou_threshold) for iou in row] for row in _iou_matrix(pred, gold)]
+    hits = [[float(box_iou(p, g) >= iou_threshold) for g in gold] for p in pred]  # (#pred, #gt)
     tp = sum(hits[i][j] for i, j in optimal_assignment(hits))
     return 2 * tp / (len(pred) + len(gold))
 
 
 def point_in_box(completion: str, sample: Mapping[str, Any]) -> float:
-    """Share of the predicted points inside any GT box (sample["boxes"], else [bbox]; edges inside);
-    0 with no point."""
+    """Share of the predicted points in any GT box (sample["boxes"], else [bbox]; edges in); 0 with none."""
     points, gold = predicted_points(completion, sample), _gt_boxes(sample)
-    return sum(any(_in_box(p, g) for g in gold) for p in points) / len(points) if points else 0.0
+    inside = [any(g[0] <= p[0] <= g[2] and g[1] <= p[1] <= g[3] for g in gold) for p in points]
+    return sum(inside) / len(points) if points else 0.0
 
 
 def point_in_region(completion: str, sample: Mapping[str, Any]) -> float:
-    """Share of the predicted points inside sample["region"] (even-odd rule, edges inside); 0 with no
-    point."""
+    """Share of the predicted points inside sample["region"] (even-odd rule, edges in); 0 with none."""
     points, region = predicted_points(completion, sample), _gt_region(sample)
     return sum(in_region(p, region) for p in points) / len(points) if points else 0.0
 
 
 def negative_points(completion: str, sample: Mapping[str, Any]) -> float:
     """Share of the predicted points that are good NEGATIVE prompts for a point-prompted segmenter: outside
-    sample["region"] (even-odd: a hole is outside; on an edge is not), and, when the sample has "margin",
-    within that many original pixels of the region's boundary (near the object, not anywhere). 0 with no
-    point."""
+    sample["region"] (a hole is outside, an edge is not) and, given "margin", within that many original
+    pixels of its boundary (near the object, not anywhere); 0 with none."""
     points, region = predicted_points(completion, sample), _gt_region(sample)
     margin = sample.get("margin")
     if margin is not None and not (isinstance(margin, int | float) and margin >= 0):
@@ -416,20 +356,18 @@ def negative_points(completion: str, sample: Mapping[str, Any]) -> float:
 
 
 def count_reward(completion: str, sample: Mapping[str, Any], *, graded: bool = False) -> float:
-    """1 if the number of objects listed equals sample["count"], else 0. Objects are the parsed boxes, or the
-    parsed points when there is no box; repeats count. `graded=True` (bind it with load_reward) gives
-    max(0, 1 - |n - count| / max(count, 1)) instead, partial credit for being close."""
+    """1 if the number n of objects listed (parsed boxes, else points; repeats count) equals sample["count"],
+    else 0; `graded=True` (bind it in load_reward) gives max(0, 1 - |n - count| / max(count, 1)) instead."""
     count = sample["count"]
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ValueError(f"sample count must be a non-negative int, got {count!r}")
     text = answer_text(completion)
     n = len(parse_boxes(text)) or len(parse_points(text))
-    if graded:
-        return max(0.0, 1.0 - abs(n - count) / max(count, 1))
-    return float(n == count)  # NOTE: count 0 and nothing listed (or garbage) is right: 1
+    # NOTE: count 0 and nothing listed (or garbage) is right: 1.
+    return max(0.0, 1.0 - abs(n - count) / max(count, 1)) if graded else float(n == count)
 
 
-# The registered names (rewards.py registers these as built-ins).
+# Names for rewards.load_reward's `builtins`, next to rewards.BUILTIN_REWARDS.
 REWARDS: dict[str, Callable[..., float]] = {
     "iou": iou_reward,
     "box_iou_mean": box_iou_mean,

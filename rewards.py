@@ -1,63 +1,50 @@
-"""Reward functions for GRPO, the gate-aware combiner, and plug-in loading.
+"""Reward functions for GRPO, the gate-aware combiner `score`, and plug-in loading.
 
-Every reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`. `sample` is the
-dataset sample dict, passed through untouched, so a reward reads whatever ground truth it needs
-(`sample["label"]`, `sample["answer"]`, `sample["bbox"]`). This module uses the Python standard library
-only and imports nothing from the project, so it can be copied alone into another codebase.
+A reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`; `sample` is the dataset
+sample dict, passed through untouched, so a reward reads whatever ground truth it needs (`sample["label"]`,
+`sample["answer"]`, `sample["bbox"]`). Standard library only, nothing from this project: it copies alone.
 
-Built-ins (`BUILTIN_REWARDS` name -> function):
-    label               1 if the verdict on the first line equals `sample["label"]`, else 0. The first line
-                        is read after stripping leading whitespace (strictness is `format`'s job).
-    format              1 if the completion is exactly two lines: the verdict alone, then `理由:` or
-                        `理由：` followed by a NON-EMPTY reason; trailing whitespace on each line and at the
-                        end of the completion is allowed (trailing blank lines are not counted), leading
-                        whitespace is not.
-    exact_match         1 if the answer text, stripped, equals `str(sample["answer"])`, stripped.
-    answer_match        the same after normalising both sides: Unicode NFKC (full-width letters and digits
-                        become ASCII), casefold, whitespace runs -> one space, then strip whitespace and
-                        punctuation (Unicode category P*, which includes `%`) at both ends. Inner
-                        punctuation and symbols (`$`, `+`) are kept.
-    numeric_match       1 if the LAST number in the answer text is within `rel_tol`/`abs_tol`
-                        (`math.isclose`, both 1e-6 by default, keyword-only) of `float(sample["answer"])`.
-                        Numbers are decimal or scientific (`-3`, `2.5`, `1e-3`, `1,000`); a sign counts
-                        only when not glued to a preceding letter/digit, so `5-3` reads 3 and `1-5` reads 5.
-                        No fractions, no words.
-    think_answer_format 1 if the completion is `<think>…</think><answer>…</answer>`, whitespace allowed
-                        between and around the blocks, nothing else outside, each tag exactly once, and both
-                        blocks non-empty (an empty think block is a collapse we do not want to pay for).
-    overlong            DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), from the completion's token
-                        count L, not its text. With L_max = `max_length` and L_cache = `cache_length`:
-                        0 if L <= L_max - L_cache; ((L_max - L_cache) - L) / L_cache up to L_max; -1 beyond.
-                        `max_length` and `cache_length` have no defaults: bind them with `load_reward(
-                        "overlong", max_length=..., cache_length=...)` or `functools.partial`.
+Built-ins (`BUILTIN_REWARDS` name -> function), each 1.0 or 0.0 unless said:
+- label: the first line (leading whitespace skipped: layout is `format`'s job) is a verdict equal to
+  `sample["label"]`.
+- format: exactly two lines, the verdict alone, then `理由:` or `理由：` and a NON-EMPTY reason; trailing
+  whitespace on a line and trailing blank lines are allowed, leading whitespace is not.
+- exact_match: the answer text, stripped, equals `str(sample["answer"])`, stripped.
+- answer_match: the same after normalising both sides: Unicode NFKC (full-width letters and digits become
+  ASCII), casefold, whitespace runs -> one space, then whitespace and punctuation (category P*, `%` included)
+  stripped at both ends; symbols (`$`, `+`) and inner punctuation stay.
+- numeric_match: the LAST number of the answer text is `math.isclose` to `float(sample["answer"])`
+  (keyword-only `rel_tol`, `abs_tol`, both 1e-6). Numbers: `-3`, `2.5`, `1e-3`, `1,000`; a sign counts only
+  when not glued to a letter, digit or dot before it (`5-3` reads 3, `1-5` reads 5); no fractions or words.
+- think_answer_format: `<think>…</think><answer>…</answer>`, each tag exactly once, only whitespace outside
+  and between the blocks, both blocks non-empty (an empty think block is a collapse not worth paying for).
+- overlong: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 if
+  L <= L_max - L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and
+  L_cache = `cache_length` have no defaults (bind them: `load_reward("overlong", max_length=..., ...)`).
 
-Grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count) live
-in grounding.py (`grounding.REWARDS`), which explains Qwen-VL's coordinate frames. A caller that wants them
-by name passes `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}` to `load_reward` / `parse_reward_specs`,
-as train.py and the scripts do.
+The grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count) live
+in grounding.py (`grounding.REWARDS`), with Qwen-VL's coordinate frames; train.py and the scripts name them
+by passing `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}` to `load_reward` / `parse_reward_specs`.
 
-"Answer text" (exact_match, answer_match, numeric_match, and the grounding rewards) is the content of
-the last `<answer>…</answer>` block when there is one, else the whole completion; so these compose with
-`think_answer_format` and also work on bare answers.
+"Answer text" (exact_match, answer_match, numeric_match, grounding) is the last `<answer>…</answer>` block's
+content, else the whole completion: it composes with think_answer_format and works on bare answers.
 
-Verdict vocabulary (label, format): `通过` / `不通过` and `pass` / `fail` (English case-insensitive), with
-通过 ≡ pass and 不通过 ≡ fail. A completion with any other verdict gets 0; a sample label outside the
-vocabulary is a dataset bug and raises ValueError.
+Verdicts (label, format): `通过` ≡ `pass`, `不通过` ≡ `fail`, English case-insensitive; any other verdict in a
+completion earns 0. Malformed ground truth (a label that is no verdict, a non-numeric answer for
+numeric_match, a bad bbox) raises ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION
+is never an error, it just earns 0.
 
-Ground truth that is malformed (non-numeric answer for numeric_match, bad bbox) raises: a silent 0 would
-hide a broken dataset. A malformed COMPLETION is never an error, it just earns 0.
+Combining (`score`): total = sum(weight * value), except that a completion with ANY gate reward <= 0 gets 0
+(no credit for a right verdict in a broken format). Gates should therefore be 0/1 rewards; never gate
+`overlong`, which is <= 0 by construction. `score` also reports each reward's unweighted values and which
+gates failed. NOTE: samples are not broadcast over a group; the trainer repeats each sample G times.
 
-Combining (`score`): total = sum(weight * value) over the rewards, except that if ANY gate reward of a
-completion has value <= 0 its total is 0 (no credit for a right verdict in a broken format). Gates should
-therefore be 0/1 rewards; never gate `overlong`, which is <= 0 by construction. `score` reports each
-reward's unweighted values and which gates failed.
-
-Plug-in contract (`load_reward("module:function")` or `load_reward("path/to/file.py:function")`): a
-callable that accepts `(completion, sample)` positionally and returns a finite real number (int or float;
-bool, None, NaN, inf and anything else raise ValueError naming the reward, the completion index and the
-sample id). A reward that needs the completion's token count declares a KEYWORD-ONLY parameter
-`completion_length`; `score` passes `completion_length=` to exactly those rewards (found with
-`inspect.signature`) and to no others. Any other parameter must have a default or be bound at load time.
+Plug-in contract (`load_reward("module:function")` or `load_reward("path/to/file.py:function")`): a callable
+that accepts `(completion, sample)` positionally and returns a finite int or float; bool (almost always a
+forgotten float()), None, NaN, inf (which would poison the group's std) and anything else raise ValueError
+naming the reward, the completion index and the sample id. A reward needing the completion's token count
+declares a KEYWORD-ONLY `completion_length`, which `score` passes to exactly those rewards
+(`inspect.signature`). Any other parameter must have a default or be bound at load time.
 """
 
 import dataclasses
@@ -83,37 +70,27 @@ RewardFn = Callable[..., float]
 _VERDICTS = {"通过": "pass", "不通过": "fail", "pass": "pass", "fail": "fail"}
 
 
-def _parse_verdict(text: str) -> str | None:
-    """'pass' / 'fail' for a verdict word (no surrounding whitespace allowed), else None."""
-    return _VERDICTS.get(text.casefold())
-
-
 def label_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 if the first line's verdict equals sample["label"] (通过 ≡ pass, 不通过 ≡ fail), else 0.0."""
     label = sample["label"]
-    gold = _parse_verdict(str(label).strip())
+    gold = _VERDICTS.get(str(label).strip().casefold())
     if gold is None:
         raise ValueError(f"sample label {label!r} is not a verdict; expected one of {sorted(_VERDICTS)}")
-    # NOTE: leading blank lines are skipped here on purpose; penalising layout is format_reward's job.
-    first_line = completion.lstrip().split("\n", 1)[0].strip()
-    return float(_parse_verdict(first_line) == gold)
+    # NOTE: leading blank lines are skipped on purpose; penalising layout is format_reward's job.
+    return float(_VERDICTS.get(completion.lstrip().split("\n", 1)[0].strip().casefold()) == gold)
 
 
-_REASON_RE = re.compile(r"理由[:：](.*)")  # half- or full-width colon, then the reason
+# Half- or full-width colon, then a reason with something in it: "理由:" and only spaces is no reason.
+_REASON_RE = re.compile(r"理由[:：]\s*\S.*")
 
 
 def format_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 for exactly `<verdict>\\n理由: <non-empty reason>` (trailing whitespace allowed), else 0.0."""
-    # NOTE: rstrip() first, so a trailing newline (or several) before EOS does not count as a third line.
-    lines = completion.rstrip().split("\n")
-    if len(lines) != 2:
+    # NOTE: rstrip() first, so trailing newlines before EOS are no third line; then each line (CRLF's \r too).
+    lines = [line.rstrip() for line in completion.rstrip().split("\n")]
+    if len(lines) != 2 or lines[0].casefold() not in _VERDICTS:  # "通过 ok" or " 通过" is no bare verdict
         return 0.0
-    verdict_line, reason_line = (line.rstrip() for line in lines)  # rstrip also drops '\r' of CRLF
-    if _parse_verdict(verdict_line) is None:  # "通过 ok" or " 通过" are not a bare verdict
-        return 0.0
-    m = _REASON_RE.fullmatch(reason_line)
-    # NOTE: "理由:" with nothing (or only spaces) after it fails: an empty reason is not a reason.
-    return float(m is not None and m.group(1).strip() != "")
+    return float(_REASON_RE.fullmatch(lines[1]) is not None)
 
 
 # --- answers ----------------------------------------------------------------------------------------------
@@ -122,8 +99,7 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def _answer_text(completion: str) -> str:
-    """Content of the last <answer>…</answer> block, or the whole completion if there is none."""
-    # NOTE: a truncated "<answer>42" (no closing tag) falls back to the whole completion.
+    """Content of the last <answer>…</answer>, else the whole completion (NOTE: also if cut: "<answer>4")."""
     blocks = _ANSWER_RE.findall(completion)
     return blocks[-1] if blocks else completion
 
@@ -134,14 +110,9 @@ def exact_match(completion: str, sample: Mapping[str, Any]) -> float:
 
 
 def _normalise_answer(text: str) -> str:
-    text = unicodedata.normalize("NFKC", text).casefold()  # NFKC: full-width "ＡＢ１" -> "ab1"
-    text = " ".join(text.split())  # every whitespace run (incl. newlines) becomes one space
-    start, end = 0, len(text)
-    while start < end and (text[start].isspace() or unicodedata.category(text[start]).startswith("P")):
-        start += 1
-    while end > start and (text[end - 1].isspace() or unicodedata.category(text[end - 1]).startswith("P")):
-        end -= 1
-    return text[start:end]
+    text = " ".join(unicodedata.normalize("NFKC", text).casefold().split())  # "ＡＢ１\n c" -> "ab1 c"
+    # str.strip takes a set of characters: the text's own whitespace and punctuation come off both ends.
+    return text.strip("".join({c for c in text if c.isspace() or unicodedata.category(c).startswith("P")}))
 
 
 def answer_match(completion: str, sample: Mapping[str, Any]) -> float:
@@ -156,17 +127,13 @@ _NUMBER_RE = re.compile(
 )
 
 
-def _last_number(text: str) -> float | None:
-    matches = _NUMBER_RE.findall(unicodedata.normalize("NFKC", text))  # NFKC: full-width digits -> ASCII
-    return float(matches[-1].replace(",", "")) if matches else None
-
-
 def numeric_match(
     completion: str, sample: Mapping[str, Any], *, rel_tol: float = 1e-6, abs_tol: float = 1e-6
 ) -> float:
     """1.0 if the last number in the answer text is close to float(sample["answer"]), else 0.0."""
     gold = float(sample["answer"])  # a non-numeric ground truth is a dataset bug: let ValueError out
-    pred = _last_number(_answer_text(completion))
+    found = _NUMBER_RE.findall(unicodedata.normalize("NFKC", _answer_text(completion)))  # full-width -> ASCII
+    pred = float(found[-1].replace(",", "")) if found else None
     return float(pred is not None and math.isclose(pred, gold, rel_tol=rel_tol, abs_tol=abs_tol))
 
 
@@ -181,9 +148,6 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
         return 0.0
     m = _THINK_ANSWER_RE.fullmatch(completion)
     return float(m is not None and m.group(1).strip() != "" and m.group(2).strip() != "")
-
-
-# --- length -----------------------------------------------------------------------------------------------
 
 
 def overlong_penalty(
@@ -238,32 +202,21 @@ def _describe(index: int, sample: Mapping[str, Any]) -> str:
     return f"completion {index}" + (f" (sample id {sample['id']!r})" if "id" in sample else "")
 
 
+# `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
 def _name_the_failure(error: Exception, name: str, index: int, sample: Mapping[str, Any]) -> None:
-    """Name the reward and the sample on an exception a reward function raised. `user_message` is the one
-    line a command prints for it (cli.run: a failure in the user's code, not a bug of the trainer)."""
-    where = f"raised by reward {name!r} on {_describe(index=index, sample=sample)}"
+    where = f"raised by reward {name!r} on {_describe(index, sample)}"
     error.add_note(where)
     frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
     error.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
 
 
-def _user_error(error: Exception) -> Exception:
-    """`error`, marked to be printed by a command as its one line (cli.run), without a traceback."""
+def _bad_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> ValueError:
+    error = ValueError(
+        f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
+        "rewards must return a finite int or float"
+    )
     error.user_message = str(error)
     return error
-
-
-def _checked_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> float:
-    # numbers.Real admits int, float and numpy scalars; bool is an int subclass but almost always a bug
-    # (a forgotten float()), and a non-finite reward would poison the group's mean and std.
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    raise _user_error(
-        ValueError(
-            f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
-            "rewards must return a finite int or float"
-        )
-    )
 
 
 def score(
@@ -274,21 +227,18 @@ def score(
     completion_lengths: Sequence[int] | None = None,
 ) -> Scores:
     """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates."""
-    # NOTE: samples are NOT broadcast over the group; the trainer repeats each sample G times.
     n = len(completions)
-    if len(samples) != n:
-        raise ValueError(f"got {n} completions but {len(samples)} samples")
-    if completion_lengths is not None and len(completion_lengths) != n:
-        raise ValueError(f"got {n} completions but {len(completion_lengths)} completion_lengths")
-    names = [r.name for r in rewards]
-    if len(set(names)) != len(names):
-        raise ValueError(f"reward names must be unique, got {names}")
+    for what, given in (("samples", samples), ("completion_lengths", completion_lengths)):
+        if given is not None and len(given) != n:
+            raise ValueError(f"got {n} completions but {len(given)} {what}")
+    if len({r.name for r in rewards}) != len(rewards):
+        raise ValueError(f"reward names must be unique, got {[r.name for r in rewards]}")
     components: dict[str, list[float]] = {}
     for r in rewards:
         wants_length = _wants_completion_length(r.fn)
         if wants_length and completion_lengths is None:
             raise ValueError(f"reward {r.name!r} needs completion_lengths= (it declares completion_length)")
-        values = []
+        components[r.name] = values = []
         for i, (completion, sample) in enumerate(zip(completions, samples)):
             kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
             try:
@@ -296,13 +246,12 @@ def score(
             except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
                 _name_the_failure(e, r.name, i, sample)
                 raise
-            values.append(_checked_value(value, r.name, i, sample))
-        components[r.name] = values
+            if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value)):
+                raise _bad_value(value, r.name, i, sample)
+            values.append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
-    total = []
-    for i in range(len(completions)):
-        weighted = sum(r.weight * components[r.name][i] for r in rewards)
-        total.append(0.0 if any(failed[i] for failed in gate_failed.values()) else float(weighted))
+    weighted = [float(sum(r.weight * components[r.name][i] for r in rewards)) for i in range(n)]  # (N,)
+    total = [0.0 if any(failed[i] for failed in gate_failed.values()) else w for i, w in enumerate(weighted)]
     return Scores(total=total, components=components, gate_failed=gate_failed)
 
 
@@ -316,54 +265,31 @@ def _import_module_for(module_spec: str) -> Any:
             raise ValueError(f"reward file {module_spec!r} does not exist")
         # NOTE: a private module name, so a user file called e.g. "rewards.py" cannot replace this module
         # in sys.modules; it is registered there because dataclasses and pickling look modules up by name.
-        stem = os.path.splitext(os.path.basename(module_spec))[0]
-        name = f"_reward_plugin_{stem}"
+        name = f"_reward_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
         spec = importlib.util.spec_from_file_location(name, module_spec)
-        assert spec is not None and spec.loader is not None  # always set for an existing .py path
+        assert spec is not None and spec.loader is not None  # None for a suffix Python cannot import
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        imported = False
         try:
             spec.loader.exec_module(module)
-            imported = True
-        except (ImportError, SyntaxError) as e:
+        except BaseException as e:  # leave no half-initialised module behind, whatever the module raised
+            del sys.modules[name]
+            if not isinstance(e, ImportError | SyntaxError):
+                raise
             raise ValueError(f"could not import reward file {module_spec!r}: {e}") from e
-        finally:
-            if not imported:  # leave no half-initialised module behind, whatever the module raised
-                del sys.modules[name]
         return module
     try:
         return importlib.import_module(module_spec)
     except (ImportError, SyntaxError) as e:
-        hint = ""
-        if isinstance(e, ModuleNotFoundError) and e.name == module_spec.split(".")[0]:
-            hint = " (is its directory on sys.path? or pass a file: path/to/file.py:function)"
+        missing = isinstance(e, ModuleNotFoundError) and e.name == module_spec.split(".")[0]
+        hint = " (is its directory on sys.path? or pass a file: path/to/file.py:function)" if missing else ""
         raise ValueError(f"could not import reward module {module_spec!r}: {e}{hint}") from e
-
-
-def _check_reward_signature(fn: RewardFn, spec: str) -> None:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"reward {spec!r}: cannot read its signature: {e}") from e
-    extra = {"completion_length": 0} if _wants_completion_length(fn) else {}
-    try:
-        sig.bind("completion", {}, **extra)  # exactly how score() will call it
-    except TypeError as e:
-        raise ValueError(
-            f"reward {spec!r} has signature {sig}, but must accept (completion, sample) positionally; "
-            f"other parameters need defaults or must be bound when loading ({e})"
-        ) from e
 
 
 def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **bind: Any) -> RewardFn:
     """A built-in by name (from `builtins`, default BUILTIN_REWARDS), or a plug-in `module:function` /
-    `path/to/file.py:function`.
-
-    Keyword arguments are bound with functools.partial, e.g. `load_reward("overlong", max_length=1024,
-    cache_length=256)` or `load_reward("numeric_match", abs_tol=0.01)`. Raises ValueError with a message
-    fit for a command line on any problem.
-    """
+    `path/to/file.py:function`, with keyword arguments bound by functools.partial (`load_reward("overlong",
+    max_length=1024, cache_length=256)`). Every problem is a ValueError fit for a command line."""
     builtins = BUILTIN_REWARDS if builtins is None else builtins
     if ":" not in spec:
         if spec not in builtins:
@@ -380,12 +306,21 @@ def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **
         if not hasattr(module, attr):
             raise ValueError(f"reward module {module_spec!r} has no attribute {attr!r}")
         fn = getattr(module, attr)
-    # ValueError rather than TypeError: this is a command-line mistake, reported like all the others.
-    if not callable(fn):
+    if not callable(fn):  # ValueError, not TypeError: a command-line mistake like all the others
         raise ValueError(f"reward {spec!r} is not callable (got {type(fn).__name__})")  # noqa: TRY004
     if bind:
         fn = functools.partial(fn, **bind)
-    _check_reward_signature(fn, spec)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward {spec!r}: cannot read its signature: {e}") from e
+    try:  # exactly how score() will call it
+        sig.bind("completion", {}, **({"completion_length": 0} if _wants_completion_length(fn) else {}))
+    except TypeError as e:
+        raise ValueError(
+            f"reward {spec!r} has signature {sig}, but must accept (completion, sample) positionally; "
+            f"other parameters need defaults or must be bound when loading ({e})"
+        ) from e
     return fn
 
 
@@ -395,11 +330,8 @@ def parse_reward_specs(
     gates: Sequence[str] | None = None,
     builtins: Mapping[str, RewardFn] | None = None,
 ) -> list[Reward]:
-    """Command-line lists -> Rewards: each spec is loaded with load_reward and named by its spec string.
-
-    `weights` defaults to 1.0 each and must match `specs` in length; `gates` names which specs are gates.
-    Rewards needing bound arguments (overlong) are built by the caller with load_reward(..., **bind).
-    """
+    """Command-line lists -> Rewards named by their specs; `weights` default to 1.0 each. Rewards needing
+    bound arguments (overlong) are built by the caller with load_reward(..., **bind)."""
     weights = [1.0] * len(specs) if weights is None else list(weights)
     if len(weights) != len(specs):
         raise ValueError(f"got {len(specs)} rewards but {len(weights)} weights")
