@@ -1,15 +1,13 @@
 """Loading models, LoRA adapters in PEFT's format, training checkpoints and run folders.
 
-- `load_model` loads a Qwen-VL checkpoint (`AutoModelForImageTextToText`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-  or a text-only causal LM (`AutoModelForCausalLM`), local or from the hub, with its tokenizer and (VLMs)
-  image processor, and freezes it. It makes exactly the `from_pretrained` calls a real checkpoint needs, so
-  the tiny model in `assets/` tests the real loading path offline.
-- `save_adapter` / `load_adapter` write and read lora.py's adapters in PEFT's on-disk format, so
-  `peft.PeftModel.from_pretrained(base, dir)` reads them, and we read PEFT's (plain LoRA options only).
-- `save_checkpoint` builds a checkpoint folder under a temporary name and renames it into place only when
-  complete, so a crash during a save leaves the previous checkpoint intact.
+`load_model` makes exactly the `from_pretrained` calls that a Qwen-VL (`AutoModelForImageTextToText`:
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or text-only (`AutoModelForCausalLM`) checkpoint needs, so the tiny model
+in `assets/` tests the real loading path offline. lora.py's adapters are written in PEFT's on-disk format,
+so `peft.PeftModel.from_pretrained(base, dir)` reads ours, and we read PEFT's (plain LoRA options only).
 
 Choices:
+- A checkpoint folder is built under a temporary name and renamed into place only when complete, so a
+  crash during a save leaves the previous checkpoint intact.
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
   apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
@@ -89,8 +87,7 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
 
 
 def save_model(model, tokenizer, image_processor, directory: str | Path) -> None:
-    """`save_pretrained` the model, tokenizer and image processor into one folder (call `lora.unload_lora`
-    first for a LoRA-merged checkpoint that any transformers user can load)."""
+    """`save_pretrained` model, tokenizer and image processor into one folder (merge: `lora.unload_lora`)."""
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     if image_processor is not None:
@@ -150,8 +147,7 @@ def save_adapter(
 
 
 def _check_loadable(config: dict) -> None:
-    """Reject PEFT options lora.py does not implement (rslora scales by alpha / sqrt(r)) rather than load
-    them wrongly."""
+    """Refuse PEFT options lora.py lacks (rslora scales by alpha / sqrt(r)) rather than load them wrongly."""
     options = ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
     bad = {k: config[k] for k in options if config.get(k)}
     if config.get("peft_type") != "LORA" or config.get("bias", "none") != "none":
@@ -352,9 +348,7 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
 def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str]:
     """(checkpoint folder, trainer state, run id) for resuming the run in `out` from `path`: a checkpoint
     folder, or a run folder (its newest). A ValueError when it belongs to another run than out/run.json."""
-    checkpoint = Path(path)
-    if not (checkpoint / STATE_FILE).exists():
-        checkpoint = list_checkpoints(checkpoint)[-1]
+    checkpoint = Path(path) if (Path(path) / STATE_FILE).exists() else list_checkpoints(path)[-1]
     state = load_checkpoint(checkpoint)
     run_json = out / "run.json"
     owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
@@ -385,10 +379,8 @@ def run_folder(output_dir: str | None, resume: str | None) -> Path:
 
 def logged_steps(metrics_path: Path) -> int:
     """The last step a metrics.jsonl records (0: only the step-0 evaluation; -1: none)."""
-    if not metrics_path.is_file():
-        return -1
     steps = [-1]
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+    for line in metrics_path.read_text(encoding="utf-8").splitlines() if metrics_path.is_file() else []:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line is no step
             steps.append(int(json.loads(line)["step"]))
     return max(steps)
