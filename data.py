@@ -12,9 +12,8 @@ Prompts are prepared as the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, with
 template writes `<|vision_start|><|image_pad|><|vision_end|>` per image, the image processor gives
 `pixel_values` and `image_grid_thw`, and each `<|image_pad|>` becomes `grid_t * grid_h * grid_w /
 merge_size**2` copies, one per visual token the merger emits. Prompts are LEFT-padded so that every row's
-completion starts at column P during generation.
-
-Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt length (padded).
+completion starts at column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt
+length (padded).
 
 Choices:
 - A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
@@ -67,8 +66,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            # NOTE: parsed without its newline: a line cut short would otherwise fail after the newline,
-            # which json calls "line 2 column 1" of a one-line document.
+            # NOTE: without its newline, or json puts a line cut short at "line 2 column 1" of one line.
             text = line.rstrip("\r\n")
             try:
                 sample = json.loads(text)
@@ -112,13 +110,11 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
         raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
     summaries = sample.get("summaries")
-    if summaries is not None:
-        if not isinstance(summaries, list) or not summaries or not all(isinstance(t, str) for t in summaries):
-            raise ValueError(
-                f"{where}: field 'summaries' must be a non-empty list of strings (one per image)"
-            )
-        if sample.get("images"):
-            raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
+    strings = isinstance(summaries, list) and summaries and all(isinstance(t, str) for t in summaries)
+    if summaries is not None and not strings:
+        raise ValueError(f"{where}: field 'summaries' must be a non-empty list of strings (one per image)")
+    if summaries is not None and sample.get("images"):
+        raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
@@ -185,8 +181,7 @@ class DataConfig:
 
 
 def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_data), or the built-in
-    task's splits; rendered with the prompt template file, if any."""
+    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template)."""
     if config.data:
         train = []
         for path in config.data:
@@ -206,9 +201,8 @@ IMAGE_ABLATIONS = ("blank", "shuffle")
 
 
 def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict]:
-    """The samples with their images taken away: "blank" makes each a uniform grey image of the same size
-    (the same number of image tokens); "shuffle" moves the images between slots across the samples (each
-    sample keeps its image count; no image keeps its own slot, but one may land in another of its own)."""
+    """The samples without their images: "blank" greys each out at its size (same image tokens); "shuffle"
+    moves them between slots across samples, none in its own slot (though maybe in another of its sample)."""
     if mode not in IMAGE_ABLATIONS:
         raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
     images = [image for sample in samples for image in sample.get("images") or []]
@@ -245,13 +239,8 @@ def render_summaries(sample: dict, template: str | None = None) -> str:
 
 def apply_prompt_template(samples: list[dict], template: str | None) -> list[dict]:
     """Render the prompt of every sample that carries `summaries` (once, at load time), dropping them."""
-    out = []
-    for sample in samples:
-        if "summaries" in sample:
-            prompt = render_summaries(sample, template)
-            sample = {k: v for k, v in sample.items() if k != "summaries"} | {"prompt": prompt}
-        out.append(sample)
-    return out
+    rendered = [{**s, "prompt": render_summaries(s, template)} if "summaries" in s else s for s in samples]
+    return [{k: v for k, v in s.items() if k != "summaries"} for s in rendered]
 
 
 def sample_messages(sample: dict) -> list[dict]:
@@ -266,10 +255,9 @@ def sample_messages(sample: dict) -> list[dict]:
 
 @dataclass
 class PromptBatch:
-    """Model inputs for a batch of prompts and how many images each row owns (to expand rows). `inputs` are
-    the keyword arguments of `model(...)` / `generate(...)`: `input_ids` (rows, P) left-padded,
-    `attention_mask` (rows, P), and with images `pixel_values` (patches, C*temporal*patch*patch),
-    `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P)."""
+    """Model inputs (the keyword arguments of `model(...)` / `generate(...)`: `input_ids` (rows, P), left
+    padded, `attention_mask` (rows, P), and with images `pixel_values` (patches, C*temporal*patch*patch),
+    `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P)) and each row's image count."""
 
     inputs: dict[str, torch.Tensor]
     images_per_row: list[int]
@@ -290,12 +278,9 @@ def prepare_prompts(
     max_prompt_length: int | None = None,
 ) -> PromptBatch:
     """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
-    texts, images, images_per_row = [], [], []
-    for sample in samples:
-        sample_images = [load_image(im, sample) for im in sample.get("images", [])]
-        texts.append(_chat_text(sample, tokenizer, len(sample_images)))
-        images.extend(sample_images)
-        images_per_row.append(len(sample_images))
+    per_row = [[load_image(im, sample) for im in sample.get("images", [])] for sample in samples]
+    texts = [_chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
+    images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
     inputs, resized = {}, []
     if images:
         if image_processor is None:
@@ -364,17 +349,15 @@ def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | 
 
 
 def image_pixel_budget(image_processor) -> int | None:
-    """The most pixels an image keeps; Qwen-VL processors resize a larger one down to about this many (a
-    pixel count despite its key's name, used by `get_number_of_image_patches`)."""
+    """The most pixels an image keeps (`size["longest_edge"]`, a pixel count): Qwen-VL shrinks larger ones."""
     return None if image_processor is None else image_processor.size["longest_edge"]
 
 
 def check_samples(
     samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None
 ) -> ResizeReport:
-    """Fail fast, before any model work: decode every image once and bound every prompt's length; return
-    the images that the processor's pixel budget shrinks. Visual-token counts come from image sizes alone
-    (`get_number_of_image_patches`, the processor's own resize rule), so no pixels are processed."""
+    """Fail fast, before any model work: decode every image once and bound every prompt's length (visual
+    tokens from image sizes by the processor's own rule, no pixels processed); return the ones it shrinks."""
     budget = image_pixel_budget(image_processor)
     oversized = []
     for sample in samples:
