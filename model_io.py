@@ -158,16 +158,6 @@ def _check_loadable(config: dict) -> None:
         raise ValueError(f"adapter_config.json uses options lora.py does not implement: {bad}")
 
 
-def _check_tensors(shapes: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
-    if missing := sorted(shapes.keys() - tensors.keys()):
-        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
-    if unexpected := sorted(tensors.keys() - shapes.keys()):
-        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
-    for key, shape in shapes.items():
-        if (found := tuple(tensors[key].shape)) != shape:
-            raise ValueError(f"shape mismatch for {key!r}: adapter {found}, model {shape}")
-
-
 def load_adapter(
     model: torch.nn.Module, directory: str | os.PathLike, *, lora_fp32: bool = True
 ) -> list[str]:
@@ -182,9 +172,8 @@ def load_adapter(
     layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
     tensors = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
     if modules := lora.lora_modules(model):
-        keys = ("r", "lora_alpha", "target_modules", "layers_to_transform")
-        have = {k: v for k, v in _hyperparameters(model).items() if k in keys}
         want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
+        have = {k: v for k, v in _hyperparameters(model).items() if k in want}
         if have != want:
             raise ValueError(f"model already has LoRA with a different config: model {have}, adapter {want}")
         if any(m.merged for m in modules.values()):
@@ -199,7 +188,13 @@ def load_adapter(
     for name, lin in linears.items():
         shapes[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = (r, lin.in_features)
         shapes[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (lin.out_features, r)
-    _check_tensors(shapes, tensors)
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    for key, shape in shapes.items():
+        if (found := tuple(tensors[key].shape)) != shape:
+            raise ValueError(f"shape mismatch for {key!r}: adapter {found}, model {shape}")
     if not modules:
         dropout = float(config.get("lora_dropout", 0.0))
         settings = lora.LoRAConfig(
