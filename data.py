@@ -1,33 +1,30 @@
-"""Samples, image+text input preparation for Qwen-VL style models, and decoding completions.
+"""Samples, image+text prompt preparation for Qwen-VL style models, and decoding completions.
 
-A *sample* is a plain dict, one per JSONL line:
+A *sample* is a plain dict, one per JSONL line; other fields go to the reward functions untouched:
 
-    {"id": "a1", "images": ["img/a1_0.png", "img/a1_1.png"], "prompt": "Inspect the installation.",
-     "label": "通过", ...any other fields, passed to the reward functions untouched}
+    {"id": "a1", "images": ["img/a1_0.png"], "prompt": "Inspect the installation.", "label": "通过"}
 
-- `images`: paths relative to the JSONL file (absolute paths work too); may be empty or absent (text-only).
-  Several images form one group-level sample: the model sees all of them in one prompt. The built-in
-  tasks (tasks.py) put `PIL.Image` objects here instead of paths.
-- `prompt` (a string; the images are placed before it in one user turn) or `messages` (chat form,
-  `[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]}, ...]`, with one
-  `{"type": "image"}` entry per image, in order).
+`images` are paths relative to the JSONL file (or absolute), possibly none, all shown in one prompt (the
+built-in tasks of tasks.py put `PIL.Image` objects there); `prompt` follows them in one user turn, or
+`messages` gives the chat turns, with one `{"type": "image"}` content entry per image, in order.
 
-Input preparation follows what Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, without torchvision:
-chat text from the tokenizer's chat template (each image becomes `<|vision_start|><|image_pad|>
-<|vision_end|>`), `pixel_values` and `image_grid_thw` from the image processor, and each `<|image_pad|>`
-expanded to `grid_t * grid_h * grid_w / merge_size**2` copies, one per visual token the merger emits.
-Prompts are LEFT-padded so that every row's completion starts at the same column P during generation.
-
-Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt length (padded).
+Prompts are prepared as the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, without torchvision: the chat
+template writes `<|vision_start|><|image_pad|><|vision_end|>` per image, the image processor gives
+`pixel_values` and `image_grid_thw`, and each `<|image_pad|>` becomes `grid_t * grid_h * grid_w /
+merge_size**2` copies, one per visual token the merger emits. Prompts are LEFT-padded so that every row's
+completion starts at column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt
+length (padded).
 
 Choices:
-- A prompt longer than `max_prompt_length` raises instead of being truncated: cutting through a run of
-  image tokens would desynchronise text and `pixel_values`, and silently cutting text changes the task.
-- Images above the image processor's pixel budget are resized down by it, never rejected; `check_samples`
-  counts them so that the caller can say so (`describe_resizes`) instead of letting it happen silently.
-- Rows are expanded with `repeat_interleave` semantics (prompt b becomes rows b*G .. b*G+G-1), and the
-  flat `pixel_values` / `image_grid_thw` are expanded *per prompt block*, never with a flat `repeat`
-  (the classic bug that pairs row b's text with another row's pixels).
+- A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
+  desynchronise text and `pixel_values`, and a cut through the text changes the task.
+- Images above the processor's pixel budget are resized down by it, never rejected; `check_samples` counts
+  them so that the caller can say so (`describe_resizes`).
+- Rows are expanded with `repeat_interleave` semantics (prompt b becomes rows b*G .. b*G+G-1), the flat
+  `pixel_values` / `image_grid_thw` per prompt block, never with a flat `repeat` (the classic bug that
+  pairs row b's text with another row's pixels).
+- A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
+  sampled (an image token would have no pixels); decoding keeps Qwen-VL's grounding markers.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,26 +43,19 @@ from PIL import Image
 
 import tasks
 
-IMAGE_PAD = "<|image_pad|>"
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
+IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error
 
 
-# --------------------------------------------------------------------------------------------------
-# Samples: JSONL files, their images, the built-in tasks
-
-
+# --- Samples: JSONL files, their images, the built-in tasks -------------------------------------------------
 def location(sample: dict) -> str:
     """'file:line' of a sample read from JSONL, or its id / '<synthetic>' for generated samples."""
     return sample.get("_where") or f"sample {sample.get('id', '<synthetic>')}"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """Read and validate a JSONL dataset; every problem raises ValueError naming `file:line`.
-
-    Image paths are resolved relative to the JSONL file and checked to exist (opening and decoding them
-    happens in `load_image`, which names the same location). Each returned sample gets `_where`.
-    """
+    """Read and validate a JSONL dataset, image paths resolved against its folder and checked to exist; every
+    problem raises ValueError naming `file:line`, which each sample keeps as `_where`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
@@ -73,10 +64,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
     with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
-                continue  # blank lines (e.g. a trailing newline) are not samples
+                continue
             where = f"{path}:{lineno}"
-            # NOTE: parsed without its newline: a line cut short would otherwise fail after the newline,
-            # which json calls "line 2 column 1" of a one-line document.
+            # NOTE: without its newline, or json puts a line cut short at "line 2 column 1" of one line.
             text = line.rstrip("\r\n")
             try:
                 sample = json.loads(text)
@@ -88,15 +78,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return samples
 
 
-EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error
-
-
 def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
-    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>', on one line.
-
-    The column is 1-based within `text` (one line, without its newline). A trailing comma is reported at
-    the comma itself, not at the '}' after it where json notices it.
-    """
+    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>' on one line, the column 1-based in
+    `text`; a trailing comma is reported at the comma, not at the '}' after it where json notices it."""
     pos, hint = e.pos, ""
     at, before = text[pos : pos + 1], text[:pos].rstrip()
     if before.endswith(",") and at in ("}", "]"):
@@ -126,13 +110,11 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
         raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
     summaries = sample.get("summaries")
-    if summaries is not None:
-        if not isinstance(summaries, list) or not summaries or not all(isinstance(t, str) for t in summaries):
-            raise ValueError(
-                f"{where}: field 'summaries' must be a non-empty list of strings (one per image)"
-            )
-        if sample.get("images"):
-            raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
+    strings = isinstance(summaries, list) and summaries and all(isinstance(t, str) for t in summaries)
+    if summaries is not None and not strings:
+        raise ValueError(f"{where}: field 'summaries' must be a non-empty list of strings (one per image)")
+    if summaries is not None and sample.get("images"):
+        raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
@@ -188,13 +170,10 @@ class DataConfig:
 
     def check(self) -> None:
         """Each value's range and each file named, with the flag at fault first in the message."""
-        for flag, value, ok, message in [
-            ("--max-prompt-length", self.max_prompt_length, self.max_prompt_length >= 1, "must be >= 1"),
-            ("--train-size", self.train_size, self.train_size >= 1, "must be >= 1"),
-            ("--eval-size", self.eval_size, self.eval_size >= 0, "must be >= 0"),
-        ]:
-            if not ok:
-                raise ValueError(f"{flag}: {message}, got {value}")
+        sizes = [("--max-prompt-length", self.max_prompt_length, 1), ("--train-size", self.train_size, 1)]
+        for flag, value, low in [*sizes, ("--eval-size", self.eval_size, 0)]:
+            if value < low:
+                raise ValueError(f"{flag}: must be >= {low}, got {value}")
         files = [("--data", path) for path in self.data] + [("--eval-data", self.eval_data)]
         for flag, path in [*files, ("--prompt-template", self.prompt_template)]:
             if path is not None and not Path(path).is_file():
@@ -202,8 +181,7 @@ class DataConfig:
 
 
 def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples: the JSONL files (and the first eval_size of eval_data), or the built-in
-    task's splits; rendered with the prompt template file, if any."""
+    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template)."""
     if config.data:
         train = []
         for path in config.data:
@@ -214,23 +192,17 @@ def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dic
     else:
         train = tasks.make_task(config.task, config.train_size, seed=seed)
         held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
-    path = config.prompt_template
-    template = Path(path).read_text(encoding="utf-8") if path else None
+    template = Path(config.prompt_template).read_text(encoding="utf-8") if config.prompt_template else None
     return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
 
 
-# --------------------------------------------------------------------------------------------------
-# Image ablation: does the policy look at the images?
-
-
+# --- Image ablation: does the policy look at the images? ----------------------------------------------------
 IMAGE_ABLATIONS = ("blank", "shuffle")
 
 
 def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict]:
-    """The samples with their images taken away, to see whether a policy looks at them: "blank" replaces each
-    image by a uniform grey one of the same size (the same number of image tokens); "shuffle" hands the
-    images to other slots across the samples (each sample keeps its image count; a seeded permutation in
-    which no image keeps its own slot, so one may still land in another slot of its own sample)."""
+    """The samples without their images: "blank" greys each out at its size (same image tokens); "shuffle"
+    moves them between slots across samples, none in its own slot (though maybe in another of its sample)."""
     if mode not in IMAGE_ABLATIONS:
         raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
     images = [image for sample in samples for image in sample.get("images") or []]
@@ -243,28 +215,18 @@ def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict
         replaced = list(images)
         for j in range(len(order)):
             replaced[order[j]] = images[order[j - 1]]
-    out, taken = [], 0
-    for sample in samples:
-        n = len(sample.get("images") or [])
-        out.append({**sample, "images": replaced[taken : taken + n]} if n else sample)
-        taken += n
-    return out
+    taken = iter(replaced)
+    counts = [len(sample.get("images") or []) for sample in samples]
+    return [{**s, "images": list(itertools.islice(taken, n))} if n else s for s, n in zip(samples, counts)]
 
 
-# --------------------------------------------------------------------------------------------------
-# Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N
-
-
+# --- Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N -------------------------
 DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
 
 
 def render_summaries(sample: dict, template: str | None = None) -> str:
-    """The prompt text of a sample that carries per-image text `summaries` instead of images.
-
-    The summaries become numbered lines `图片_1: …`, `图片_2: …` and fill the `{summaries}` placeholder of
-    `template` (a file's text, e.g. assets/summaries_template.txt); `{prompt}` and `{num_images}` are also
-    available. An unknown placeholder raises naming it.
-    """
+    """The prompt of a sample with per-image text `summaries` instead of images: `template` (e.g. the text of
+    assets/summaries_template.txt) filled with {prompt}, {num_images} and {summaries}, lines `图片_1: …`."""
     lines = "\n".join(f"图片_{i}: {text}" for i, text in enumerate(sample["summaries"], start=1))
     fields = {"prompt": sample.get("prompt", ""), "summaries": lines, "num_images": len(sample["summaries"])}
     try:
@@ -277,35 +239,25 @@ def render_summaries(sample: dict, template: str | None = None) -> str:
 
 def apply_prompt_template(samples: list[dict], template: str | None) -> list[dict]:
     """Render the prompt of every sample that carries `summaries` (once, at load time), dropping them."""
-    out = []
-    for sample in samples:
-        if "summaries" in sample:
-            prompt = render_summaries(sample, template)
-            sample = {k: v for k, v in sample.items() if k != "summaries"} | {"prompt": prompt}
-        out.append(sample)
-    return out
+    rendered = [{**s, "prompt": render_summaries(s, template)} if "summaries" in s else s for s in samples]
+    return [{k: v for k, v in s.items() if k != "summaries"} for s in rendered]
 
 
 def sample_messages(sample: dict) -> list[dict]:
-    """Chat turns of a sample: `messages` as given, or one user turn with the images then the prompt (or the
-    `summaries` in the default template, when `apply_prompt_template` has not rendered them)."""
+    """Chat turns of a sample: `messages`, or one user turn of its images, then its prompt (or summaries)."""
     if "messages" in sample:
         return sample["messages"]
     if "summaries" in sample:
         return [{"role": "user", "content": [{"type": "text", "text": render_summaries(sample)}]}]
-    content = [{"type": "image"} for _ in sample.get("images", [])]
-    content.append({"type": "text", "text": sample["prompt"]})
-    return [{"role": "user", "content": content}]
+    images = [{"type": "image"} for _ in sample.get("images", [])]
+    return [{"role": "user", "content": [*images, {"type": "text", "text": sample["prompt"]}]}]
 
 
 @dataclass
 class PromptBatch:
-    """Model inputs for a batch of prompts, plus how many images each row owns (needed to expand rows).
-
-    `inputs` holds exactly the keyword arguments for `model(...)` / `model.generate(...)`: `input_ids`
-    (rows, P) left-padded, `attention_mask` (rows, P), and for batches with images `pixel_values`
-    (patches, C*temporal*patch*patch), `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P).
-    """
+    """Model inputs (the keyword arguments of `model(...)` / `generate(...)`: `input_ids` (rows, P), left
+    padded, `attention_mask` (rows, P), and with images `pixel_values` (patches, C*temporal*patch*patch),
+    `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P)) and each row's image count."""
 
     inputs: dict[str, torch.Tensor]
     images_per_row: list[int]
@@ -326,21 +278,18 @@ def prepare_prompts(
     max_prompt_length: int | None = None,
 ) -> PromptBatch:
     """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
-    texts, images, images_per_row = [], [], []
-    for sample in samples:
-        sample_images = [load_image(im, sample) for im in sample.get("images", [])]
-        texts.append(_chat_text(sample, tokenizer, len(sample_images)))
-        images.extend(sample_images)
-        images_per_row.append(len(sample_images))
-
+    per_row = [[load_image(im, sample) for im in sample.get("images", [])] for sample in samples]
+    texts = [_chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
+    images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
     inputs, resized = {}, []
     if images:
         if image_processor is None:
             raise ValueError(f"{location(samples[0])}: a text-only model (no image processor) got images")
         vision = image_processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
-        tokens_per_image = (grid.prod(-1) // image_processor.merge_size**2).tolist()
-        texts = _expand_image_pads(texts, tokens_per_image)
+        # The k-th <|image_pad|> of the batch becomes one pad per visual token of image k.
+        counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())
+        texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in texts]
         inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
         resized = [tuple(s) for s in (grid[:, 1:].flip(-1) * image_processor.patch_size).tolist()]  # (w, h)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -388,36 +337,27 @@ class ResizeReport:
 
 
 def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
-    """--min-pixels / --max-pixels: the pixel counts a Qwen-VL processor resizes each image into (None: the
-    checkpoint's own). Set on the processor itself, so prompts, the prompt-length check and sizes agree."""
+    """--min-pixels / --max-pixels (None: the checkpoint's own), set on the processor itself so that prompts,
+    the prompt-length check and the sizes reported agree. NOTE: `size` holds pixel counts despite its keys."""
     if image_processor is None or (min_pixels is None and max_pixels is None):
         return
     low = min_pixels if min_pixels is not None else image_processor.size["shortest_edge"]
     high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
     if not 0 < low <= high:
         raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
-    # NOTE: pixel counts despite the names: the processor resizes each image to between low and high pixels.
     image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
 
 
 def image_pixel_budget(image_processor) -> int | None:
-    """The most pixels an image keeps; Qwen-VL processors resize a larger one down to about this many."""
-    if image_processor is None:
-        return None
-    # NOTE: a pixel count despite the name; the processor resizes by it (`get_number_of_image_patches`).
-    return image_processor.size["longest_edge"]
+    """The most pixels an image keeps (`size["longest_edge"]`, a pixel count): Qwen-VL shrinks larger ones."""
+    return None if image_processor is None else image_processor.size["longest_edge"]
 
 
 def check_samples(
     samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None
 ) -> ResizeReport:
-    """Fail fast, before any model work: decode every image once and bound every prompt's length.
-
-    The visual-token count of an image comes from its size alone (`get_number_of_image_patches`, the
-    image processor's own resize rule: images above its max_pixels are resized down, never rejected), so
-    this costs one image decode per image and one tokenization per prompt, no pixel processing. Returns
-    how many images that rule shrinks (see `describe_resizes`), which it would otherwise do silently.
-    """
+    """Fail fast, before any model work: decode every image once and bound every prompt's length (visual
+    tokens from image sizes by the processor's own rule, no pixels processed); return the ones it shrinks."""
     budget = image_pixel_budget(image_processor)
     oversized = []
     for sample in samples:
@@ -434,91 +374,51 @@ def check_samples(
             if budget is not None and width * height > budget:
                 oversized.append((width, height))
         _check_prompt_length(sample, length, max_prompt_length)
-    largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
-    return ResizeReport(count=len(oversized), largest=largest)
+    return ResizeReport(len(oversized), max(oversized, key=lambda size: size[0] * size[1], default=None))
 
 
 def describe_resizes(report: ResizeReport, budget: int) -> str | None:
     """One line saying how many images the image processor shrinks, and the largest; None when none."""
     if report.count == 0:
         return None
-    width, height = report.largest
+    (w, h), big = report.largest, f"larger than the image processor's budget ({budget:,} pixels)"
     if report.count == 1:
-        return (
-            f"1 image is larger than the image processor's budget ({budget:,} pixels) and is resized down "
-            f"to fit it: {width}x{height}"
-        )
-    return (
-        f"{report.count:,} images are larger than the image processor's budget ({budget:,} pixels) and are "
-        f"resized down to fit it; the largest is {width}x{height}"
-    )
-
-
-def _expand_image_pads(texts: list[str], tokens_per_image: list[int]) -> list[str]:
-    """Replace the k-th `<|image_pad|>` of the batch by as many copies as image k has visual tokens."""
-    counts = iter(tokens_per_image)
-    out = []
-    for text in texts:
-        pieces = text.split(IMAGE_PAD)
-        expanded = pieces[0]
-        for piece in pieces[1:]:
-            expanded += IMAGE_PAD * next(counts) + piece
-        out.append(expanded)
-    return out
+        return f"1 image is {big} and is resized down to fit it: {w}x{h}"
+    return f"{report.count:,} images are {big} and are resized down to fit it; the largest is {w}x{h}"
 
 
 def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
-    """The samples, each with sample["grounding"] = {frame, original_size, resized_size} of its first image:
-    what a grounding reward needs to compare the model's coordinates with original-pixel ground truth
-    (grounding.py). Unchanged when `frame` is None or a sample has no image."""
+    """Each sample with an image gets sample["grounding"] = {frame, original_size, resized_size} of its first
+    image, for a grounding reward to compare the model's coordinates with original-pixel ground truth."""
     if frame is None:
         return samples
     first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
     out = []
     for sample, k, n in zip(samples, first_image, batch.images_per_row):
         if n:
-            sizes = {
-                "original_size": list(batch.image_sizes[k]),
-                "resized_size": list(batch.resized_sizes[k]),
-            }
+            sizes = dict(original_size=list(batch.image_sizes[k]), resized_size=list(batch.resized_sizes[k]))
             sample = {**sample, "grounding": {"frame": frame, **sizes}}
         out.append(sample)
     return out
 
 
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
-    """Expand B prompts to N = B*G rows: prompt b becomes rows b*G .. b*G+G-1, each with its own images (the
-    flat `pixel_values` and `image_grid_thw` cut into per-row blocks, each repeated G times in place)."""
+    """Expand B prompts to N = B*G rows, each prompt's images with it (see the module docstring)."""
     G = group_size
-    out: dict[str, torch.Tensor] = {}
-    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
-        if key in batch.inputs:
-            out[key] = batch.inputs[key].repeat_interleave(G, dim=0)  # (N, P)
+    keys = [key for key in ("input_ids", "attention_mask", "mm_token_type_ids") if key in batch.inputs]
+    out = {key: batch.inputs[key].repeat_interleave(G, dim=0) for key in keys}  # (N, P) each
     if "image_grid_thw" in batch.inputs:
-        grid = batch.inputs["image_grid_thw"]  # (images, 3)
-        grids_per_row = grid.split(batch.images_per_row)
-        patches_per_row = [int(g.prod(-1).sum()) for g in grids_per_row]
-        pixels_per_row = batch.inputs["pixel_values"].split(patches_per_row)
+        grids_per_row = batch.inputs["image_grid_thw"].split(batch.images_per_row)  # (images of row, 3) each
+        pixels_per_row = batch.inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grids_per_row])
         out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
         out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
-    images_per_row = [n for n in batch.images_per_row for _ in range(G)]
-    return PromptBatch(inputs=out, images_per_row=images_per_row)
+    return PromptBatch(inputs=out, images_per_row=[n for n in batch.images_per_row for _ in range(G)])
 
 
-# --------------------------------------------------------------------------------------------------
-# Sampling and decoding: which tokens end or never appear in a completion
-
-
-# Qwen-VL's grounding markers: special tokens a completion may contain (Qwen2-VL writes its boxes as
+# --- Sampling and decoding: which tokens end or never appear in a completion --------------------------------
+# Qwen-VL's grounding markers, special tokens a completion may contain (Qwen2-VL writes its boxes as
 # <|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>).
-GROUNDING_TOKENS = (
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-)
+GROUNDING_TOKENS = tuple(f"<|{k}_{e}|>" for k in ("object_ref", "box", "quad") for e in ("start", "end"))
 
 
 def end_of_turn_ids(tokenizer, generation_config=None) -> list[int]:
@@ -545,36 +445,25 @@ def suppressed_tokens(tokenizer, eos_ids: Sequence[int] | None = None) -> list[i
 def sampling_options(
     tokenizer, generation_config=None, *, max_new_tokens: int, temperature: float, top_p: float = 1.0
 ) -> dict:
-    """The samplers' keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill): every
-    end-of-turn id the checkpoint lists ends a completion; vision and chat-control tokens are never drawn (an
-    image token would have no pixels)."""
+    """The samplers' keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill)."""
     ends = end_of_turn_ids(tokenizer, generation_config)
-    return dict(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        eos_token_id=ends,
-        pad_token_id=tokenizer.pad_token_id,
-        suppress_token_ids=suppressed_tokens(tokenizer, ends),
-    )
+    suppress = suppressed_tokens(tokenizer, ends)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends)
+    return options | dict(pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress)
 
 
 def decode_completions(
     tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, eos_ids: Sequence[int] | None = None
 ) -> list[str]:
     """Each row's text up to its end of turn (mask), special tokens left out except the grounding markers."""
-    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(
-        tokenizer.all_special_ids
-    )
-    dropped = (special | set(eos_ids or [tokenizer.eos_token_id])) - _ids_of(tokenizer, GROUNDING_TOKENS)
-    keep = mask & ~torch.isin(completion_ids, torch.tensor(sorted(dropped), device=completion_ids.device))
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    special |= {*tokenizer.all_special_ids, *(eos_ids or [tokenizer.eos_token_id])}
+    dropped = sorted(special - _ids_of(tokenizer, GROUNDING_TOKENS))
+    keep = mask & ~torch.isin(completion_ids, torch.tensor(dropped, device=completion_ids.device))
     return tokenizer.batch_decode([ids[k].tolist() for ids, k in zip(completion_ids, keep)])
 
 
-# --------------------------------------------------------------------------------------------------
-# The samples of each step
-
-
+# --- The samples of each step -------------------------------------------------------------------------------
 EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
 
 

@@ -1,25 +1,20 @@
-"""Loading models, saving full models and LoRA adapters (PEFT's format), and atomic training checkpoints.
+"""Loading models, LoRA adapters in PEFT's format, training checkpoints and run folders.
 
-- `load_model` loads a Qwen-VL checkpoint (`AutoModelForImageTextToText`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
-  or a text-only causal LM (`AutoModelForCausalLM`) from a local folder or a hub id, with its tokenizer
-  and (for VLMs) its image processor, in the dtype and on the device the caller chooses, and freezes
-  every base parameter. It goes through exactly the `from_pretrained` calls a real checkpoint uses, so
-  the embedded tiny model in `assets/` tests the real loading path offline.
-- `save_model` writes a full model with `save_pretrained` (call `lora.unload_lora` first to get a
-  LoRA-merged checkpoint that any transformers user can load).
-- `save_adapter` / `load_adapter` write and read lora.py's adapters in PEFT's on-disk format, so
-  `peft.PeftModel.from_pretrained(base, dir)` reads them, and we read PEFT's (plain LoRA options only).
-- `cosine_with_warmup` is the learning-rate schedule both trainers use (its state is in every checkpoint).
-- `save_checkpoint` / `load_checkpoint` write and read a training checkpoint folder atomically: it is
-  built under a temporary name and renamed into place only when complete, so a crash during a save
-  leaves the previous checkpoint intact. The adapter is written by a callback (e.g. `save_adapter`).
+`load_model` makes exactly the `from_pretrained` calls that a Qwen-VL (`AutoModelForImageTextToText`:
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or text-only (`AutoModelForCausalLM`) checkpoint needs, so the tiny model
+in `assets/` tests the real loading path offline. lora.py's adapters are written in PEFT's on-disk format,
+so `peft.PeftModel.from_pretrained(base, dir)` reads ours, and we read PEFT's (plain LoRA options only).
 
 Choices:
+- A checkpoint folder is built under a temporary name and renamed into place only when complete, so a
+  crash during a save leaves the previous checkpoint intact.
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
   apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
 - A checkpoint may name the run that wrote it (`checkpoint.json`); pruning with a run id deletes only
   that run's older checkpoints, so two runs sharing an output folder never delete each other's.
+- One run per folder: `run.json` names the run that owns it, and a resumed run trims its logs to the step
+  of its checkpoint (the later steps are redone).
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from transformers import (
     AutoConfig,
     AutoImageProcessor,
@@ -71,8 +66,7 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
     local = Path(name_or_path).expanduser()
     if not local.exists() and not is_hub_id:
         raise FileNotFoundError(f"model path {name_or_path} does not exist")
-    # NOTE: without this check transformers says "Should have a `model_type` key in its config.json",
-    # as if a config.json existed.
+    # NOTE: transformers would ask for a `model_type` key in its config.json, as if one existed.
     if local.is_dir() and not (local / "config.json").is_file():
         raise ValueError(f"cannot load a model config from {name_or_path!r}: the folder has no config.json")
     try:
@@ -84,7 +78,6 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
     model = model_class.from_pretrained(name_or_path, dtype=dtype).to(device)
     model.requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
     model.eval()  # NOTE: no dropout in the base; LoRA dropout is switched by the trainer explicitly
-
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -94,31 +87,31 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
 
 
 def save_model(model, tokenizer, image_processor, directory: str | Path) -> None:
-    """`save_pretrained` the model, tokenizer and image processor into one folder (safetensors)."""
-    directory = Path(directory)
+    """`save_pretrained` model, tokenizer and image processor into one folder (merge: `lora.unload_lora`)."""
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     if image_processor is not None:
         image_processor.save_pretrained(directory)
 
 
-# --------------------------------------------------------------------------------------------------
-# LoRA adapters in PEFT's format
-
+# --- LoRA adapters in PEFT's format -------------------------------------------------------------------------
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Write to a temp file in the same directory, then os.replace: readers never see a partial file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+def _atomic_write(path: str | Path, content: bytes) -> None:
+    """Write a temp file beside `path`, fsync it and rename it over `path`: a reader or a crash sees the old
+    or the new file, never half of one (the folder is not fsynced: a lost rename brings back the old file)."""
+    tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
     try:
-        write(tmp)
-        os.replace(tmp, path)  # atomic on POSIX within one filesystem
+        with tmp.open("wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -133,15 +126,10 @@ def _hyperparameters(model: torch.nn.Module) -> dict:
         raise ValueError(f"adapters have different (r, alpha, dropout): {sorted(hyper)}")
     ((r, alpha, dropout),) = hyper
     rest = [name[len(path) + 1 :].split(".") for name in modules]  # [layer, ..., leaf]
-    return {
-        "r": r,
-        "lora_alpha": alpha,
-        "lora_dropout": dropout,
-        "target_modules": sorted({parts[-1] for parts in rest}),
-        "layers_to_transform": sorted({int(parts[0]) for parts in rest}),
-        # layers_pattern keeps PEFT from matching same-named linears in the vision tower (`visual.blocks`).
-        "layers_pattern": path.rpartition(".")[2],
-    }
+    layers = sorted({int(parts[0]) for parts in rest})
+    peft = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted({p[-1] for p in rest}))
+    # layers_pattern keeps PEFT from matching same-named linears in the vision tower (`visual.blocks`).
+    return peft | dict(layers_to_transform=layers, layers_pattern=path.rpartition(".")[2])
 
 
 def save_adapter(
@@ -154,18 +142,14 @@ def save_adapter(
     config |= {"inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
     tensors = {_PEFT_PREFIX + k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
     os.makedirs(directory, exist_ok=True)
-    _atomic_write(os.path.join(directory, ADAPTER_WEIGHTS), lambda p: save_file(tensors, p, {"format": "pt"}))
-    text = json.dumps(config, indent=2)
-    _atomic_write(os.path.join(directory, ADAPTER_CONFIG), lambda p: Path(p).write_text(text))
+    _atomic_write(os.path.join(directory, ADAPTER_WEIGHTS), save(tensors, {"format": "pt"}))
+    _atomic_write(os.path.join(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
 
 
 def _check_loadable(config: dict) -> None:
-    """Reject PEFT options lora.py does not implement, rather than load them wrongly."""
-    bad = {
-        k: config.get(k)
-        for k in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
-    }
-    bad = {k: v for k, v in bad.items() if v}  # rslora would change scaling to alpha / sqrt(r)
+    """Refuse PEFT options lora.py lacks (rslora scales by alpha / sqrt(r)) rather than load them wrongly."""
+    options = ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
+    bad = {k: config[k] for k in options if config.get(k)}
     if config.get("peft_type") != "LORA" or config.get("bias", "none") != "none":
         bad |= {"peft_type": config.get("peft_type"), "bias": config.get("bias")}
     if not isinstance(config.get("target_modules"), list):  # PEFT also allows one regex string
@@ -174,41 +158,22 @@ def _check_loadable(config: dict) -> None:
         raise ValueError(f"adapter_config.json uses options lora.py does not implement: {bad}")
 
 
-def _check_tensors(shapes: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor]) -> None:
-    if missing := sorted(shapes.keys() - tensors.keys()):
-        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
-    if unexpected := sorted(tensors.keys() - shapes.keys()):
-        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
-    for key, shape in shapes.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(
-                f"shape mismatch for {key!r}: adapter {tuple(tensors[key].shape)}, model {shape}"
-            )
-
-
 def load_adapter(
     model: torch.nn.Module, directory: str | os.PathLike, *, lora_fp32: bool = True
 ) -> list[str]:
     """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
-
-    Every check (config, keys, shapes) runs before the model is changed, so a failed load leaves it intact.
-    The saved tensors are copied into the LoRA weights' own dtype: fp32 (`lora_fp32`, as in
-    `lora.LoRAConfig`) or the base dtype when this call injects, the existing adapters' dtype otherwise.
-    """
-    with open(os.path.join(directory, ADAPTER_CONFIG)) as f:
-        config = json.load(f)
+    Every check runs before the model changes, so a failed load leaves it intact. The tensors take the LoRA
+    weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
+    config = json.loads(Path(directory, ADAPTER_CONFIG).read_text())
     _check_loadable(config)
     r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
     path, blocks = lora.find_decoder_blocks(model)
-    layers = config.get("layers_to_transform")
-    if layers is None:  # PEFT's "every layer"
-        layers = list(range(len(blocks)))
-    layers = sorted([layers] if isinstance(layers, int) else layers)
+    layers = config.get("layers_to_transform")  # PEFT's None: every layer
+    layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
     tensors = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
     if modules := lora.lora_modules(model):
-        keys = ("r", "lora_alpha", "target_modules", "layers_to_transform")
-        have = {k: v for k, v in _hyperparameters(model).items() if k in keys}
         want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
+        have = {k: v for k, v in _hyperparameters(model).items() if k in want}
         if have != want:
             raise ValueError(f"model already has LoRA with a different config: model {have}, adapter {want}")
         if any(m.merged for m in modules.values()):
@@ -223,7 +188,13 @@ def load_adapter(
     for name, lin in linears.items():
         shapes[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = (r, lin.in_features)
         shapes[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (lin.out_features, r)
-    _check_tensors(shapes, tensors)
+    if missing := sorted(shapes.keys() - tensors.keys()):
+        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
+    if unexpected := sorted(tensors.keys() - shapes.keys()):
+        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
+    for key, shape in shapes.items():
+        if (found := tuple(tensors[key].shape)) != shape:
+            raise ValueError(f"shape mismatch for {key!r}: adapter {found}, model {shape}")
     if not modules:
         dropout = float(config.get("lora_dropout", 0.0))
         settings = lora.LoRAConfig(
@@ -239,8 +210,9 @@ def load_adapter(
     return list(modules)
 
 
-# --------------------------------------------------------------------------------------------------
-# Checkpoints
+# --- Checkpoints --------------------------------------------------------------------------------------------
+STATE_FILE = "trainer_state.pt"
+OWNER_FILE = "checkpoint.json"
 
 
 def cosine_with_warmup(
@@ -257,26 +229,15 @@ def cosine_with_warmup(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-STATE_FILE = "trainer_state.pt"
-OWNER_FILE = "checkpoint.json"
-
-
 def rng_state() -> dict[str, Any]:
     """Python, numpy, torch (and CUDA) RNG states as plain data, so that `weights_only=True` loads them."""
     version, internal, gauss_next = random.getstate()
     algorithm, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state = {
-        "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
-        # The uint32 Mersenne-Twister key travels as int64: every uint32 fits, and torch serialises it.
-        "numpy": {
-            "algorithm": algorithm,
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.get_rng_state(),
-    }
+    # The uint32 Mersenne-Twister key travels as int64: every uint32 fits, and torch serialises it.
+    numpy = dict(algorithm=algorithm, key=torch.from_numpy(key.astype(np.int64)), pos=int(pos))
+    numpy |= dict(has_gauss=int(has_gauss), cached_gaussian=float(cached_gaussian))
+    python = {"version": version, "state": list(internal), "gauss_next": gauss_next}
+    state = {"python": python, "numpy": numpy, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -300,13 +261,9 @@ def save_checkpoint(
     keep_last: int | None,
     run_id: str | None = None,
 ) -> Path:
-    """Write `directory` (e.g. runs/x/checkpoint-000100) atomically; prune older siblings to `keep_last`.
-
-    `write_adapter(folder)` writes the adapter files; `state` (optimizer, scheduler, step, ...) is saved
-    with the RNG states as `trainer_state.pt` and must be plain data. With a `run_id`, `checkpoint.json`
-    records it (and the step), and pruning counts only this run's checkpoints. The folder appears under its
-    final name only once complete.
-    """
+    """Write `directory` (e.g. runs/x/checkpoint-000100) atomically: the adapter by `write_adapter(folder)`,
+    `state` (plain data: optimizer, scheduler, step, ...) with the RNG states as trainer_state.pt, and with a
+    `run_id` checkpoint.json, so that pruning to `keep_last` counts only this run's checkpoints."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
     directory = Path(directory)
@@ -315,11 +272,21 @@ def save_checkpoint(
     tmp.mkdir(parents=True)
     write_adapter(tmp)
     torch.save({**state, "rng": rng_state()}, tmp / STATE_FILE)
-    _refuse_unsafe_globals(tmp / STATE_FILE)
+    # NOTE: fail now, not at a resume hours later, when the state is not plain data. The scan (torch >= 2.5)
+    # reads only the pickle, not the tensors; older torch skips the check.
+    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+    if unsafe := scan(tmp / STATE_FILE) if scan is not None else []:
+        raise TypeError(
+            f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store tensors, "
+            f"numbers, strings, lists and dicts only, or the checkpoint could not be loaded safely"
+        )
     if run_id is not None:
         owner = {"run_id": run_id, "step": state.get("step")}
         (tmp / OWNER_FILE).write_text(json.dumps(owner) + "\n", encoding="utf-8")
-    _fsync_tree(tmp)
+    for f in tmp.rglob("*"):  # on disk before the rename makes the folder visible
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
     if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
         old = directory.with_name(directory.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -333,38 +300,16 @@ def save_checkpoint(
     return directory
 
 
-def _refuse_unsafe_globals(path: Path) -> None:
-    """Fail at save time, not at resume time hours later, when the state is not plain data."""
-    # NOTE: the scan (torch >= 2.5) reads only the pickle, not the tensors; older torch skips the check.
-    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
-    unsafe = scan(path) if scan is not None else []
-    if unsafe:
-        raise TypeError(
-            f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store tensors, "
-            f"numbers, strings, lists and dicts only, or the checkpoint could not be loaded safely"
-        )
-
-
-def _fsync_tree(folder: Path) -> None:
-    for f in folder.rglob("*"):
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-
-
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint folders of a run, oldest first (temporary folders are ignored)."""
-    run_dir = Path(run_dir)
-    found = [p for p in run_dir.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
 def checkpoint_run_id(directory: str | Path) -> str | None:
     """The run id recorded in a checkpoint's `checkpoint.json`; None when it has none."""
     path = Path(directory) / OWNER_FILE
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8")).get("run_id")
+    return json.loads(path.read_text(encoding="utf-8")).get("run_id") if path.is_file() else None
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = None) -> None:
@@ -378,10 +323,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = 
 
 
 def load_checkpoint(directory: str | Path) -> dict[str, Any]:
-    """Read `trainer_state.pt` of a checkpoint folder (the caller loads the adapter and restores RNG).
-
-    Only plain data loads: a state that would need to run code to unpickle raises ValueError instead.
-    """
+    """Read `trainer_state.pt` of a checkpoint folder, plain data only (the caller loads the adapter)."""
     path = Path(directory) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
@@ -401,9 +343,7 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
 def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str]:
     """(checkpoint folder, trainer state, run id) for resuming the run in `out` from `path`: a checkpoint
     folder, or a run folder (its newest). A ValueError when it belongs to another run than out/run.json."""
-    checkpoint = Path(path)
-    if not (checkpoint / STATE_FILE).exists():
-        checkpoint = list_checkpoints(checkpoint)[-1]
+    checkpoint = Path(path) if (Path(path) / STATE_FILE).exists() else list_checkpoints(path)[-1]
     state = load_checkpoint(checkpoint)
     run_json = out / "run.json"
     owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
@@ -413,9 +353,7 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
     return checkpoint, state, run_id
 
 
-# --------------------------------------------------------------------------------------------------
-# Run folders: one run per folder
-
+# --- Run folders: one run per folder ------------------------------------------------------------------------
 # What a run writes into its folder, besides checkpoint-*/ (all of it is replaced by --overwrite).
 RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png")
 RUN_FOLDERS = ("adapter", "tensorboard")
@@ -436,10 +374,8 @@ def run_folder(output_dir: str | None, resume: str | None) -> Path:
 
 def logged_steps(metrics_path: Path) -> int:
     """The last step a metrics.jsonl records (0: only the step-0 evaluation; -1: none)."""
-    if not metrics_path.is_file():
-        return -1
     steps = [-1]
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+    for line in metrics_path.read_text(encoding="utf-8").splitlines() if metrics_path.is_file() else []:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn last line is no step
             steps.append(int(json.loads(line)["step"]))
     return max(steps)
@@ -473,11 +409,8 @@ def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
 
 
 def trim_jsonl(path: Path, last_step: int) -> None:
-    """Keep only the lines whose "step" is <= last_step, rewriting the file atomically (absent file: no-op).
-
-    Lines that are not a JSON object with a numeric "step" are dropped too: in an append-only file that is a
-    torn last line, written when the process died mid-write.
-    """
+    """Keep only the lines whose "step" is <= last_step (absent file: no-op). Lines that are not a JSON object
+    with a numeric "step" go too: in an append-only file that is a torn last line, cut by a crash."""
     path = Path(path)
     if not path.exists():
         return
@@ -492,20 +425,12 @@ def trim_jsonl(path: Path, last_step: int) -> None:
         step = record.get("step") if isinstance(record, dict) else None
         if isinstance(step, numbers.Real) and step <= last_step:
             kept.append(raw.rstrip(b"\r"))
-    # Write beside the file, then rename over it: a crash now leaves either the old or the new file, never
-    # half of one. The directory is not fsynced: losing the rename only brings back the untrimmed file,
-    # which the next --resume trims again.
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(b"".join(line + b"\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic_write(path, b"".join(line + b"\n" for line in kept))
 
 
 def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: dict) -> None:
     """The first write of a run (`mode` from check_run_folder): clear what it replaces, or trim the logs of
-    the resumed run to its checkpoint (later steps are redone); run.json records which run owns the folder."""
+    the resumed run to its checkpoint; run.json records which run owns the folder."""
     if mode == "replace":
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
@@ -516,7 +441,5 @@ def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: 
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
     if mode != "resume" or not (out / "run.json").exists():
-        record = {"run_id": run_id, "args": config}
-        (out / "run.json").write_text(
-            json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
-        )
+        record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
+        (out / "run.json").write_text(record + "\n", encoding="utf-8")
