@@ -1,12 +1,11 @@
 """Group Relative Policy Optimization (GRPO) for VLMs: advantages, loss, completion log-probs, sampling.
 
-Tensors (and a model) in, tensors out; torch and the standard library only, so this file can be copied alone.
-Papers: GRPO from DeepSeekMath (Shao et al. 2024), built on PPO (Schulman et al. 2017); clip-higher and the
-token-level normaliser from DAPO (Yu et al. 2025); the unbiased variant Dr. GRPO (Liu et al. 2025); the k3 KL
-estimator from Schulman's note "Approximating KL Divergence" (2020).
+Torch and the standard library only: copy it alone. Papers: GRPO from DeepSeekMath (Shao et al. 2024), on
+PPO (Schulman et al. 2017); clip-higher and the token-level normaliser from DAPO (Yu et al. 2025); Dr. GRPO
+(Liu et al. 2025); the k3 KL estimator from Schulman's "Approximating KL Divergence" (2020).
 
-Letters in shape comments: B prompts, G completions per prompt (the group), N = B * G rows, P prompt
-length (left-padded), T completion length, V vocabulary. Rows [g*G, (g+1)*G) are prompt g's group.
+Letters in shape comments: B prompts, G completions per prompt (the group), N = B * G rows, P prompt length
+(left-padded), T completion length, V vocabulary. Rows [g*G, (g+1)*G) are prompt g's group.
 
 The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, mask m_it):
 
@@ -16,31 +15,25 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
     k3_it    = exp(d_it) - d_it - 1, d = ref_logp - logp   >= 0, unbiased for KL(pi || ref)
     loss     = aggregate(l, m)                            see `aggregate` for the four ways
 
-One step: `sample_completions` (no grad) -> `completion_mask` -> rewards (rewards.py) -> `advantages`
-(`group_advantages`, settings in `AdvantageConfig`) -> `completion_logprobs` (with grad for logp; without for
-old_logp and, adapters off, ref_logp) -> `grpo_loss` (settings in `LossConfig`) -> backward. speedups.py
-re-arranges the sampling (the same tokens) and the log-prob passes (equal to rounding) to use less time and
-memory.
+In order below: advantages, the loss, the mask, log-probs, sampling, metrics. speedups.py re-arranges the
+sampling (the same tokens) and the log-prob passes (equal to rounding) to use less time and memory.
 
 Choices, where the literature differs:
-- Advantage scale: the group's std (DeepSeekMath; unbiased, G - 1, as TRL), the batch's, or none (Dr. GRPO:
-  dividing by the std over-weights near-uniform groups, i.e. too-easy or too-hard prompts).
-- Baseline: the group's mean (GRPO), the mean of the other G - 1 (RLOO) or the batch's (REINFORCE++).
-  Several rewards: summed, then normalised, or each normalised in its group first (GDPO).
-- Normalisation over tokens (`aggregate`): per sequence, then over sequences (DeepSeekMath: a token of a long
-  completion weighs less), over the batch's tokens (DAPO), or by a constant (Dr. GRPO: no length bias).
-- Objective (`policy_term`): PPO's clip with two epsilons (DAPO's clip-higher; equal: plain PPO), CISPO's
-  truncated detached ratio, SAPO's smooth gate; `delta` caps the ratio for negative advantages too.
-  The ratio is per token, or per sequence (GSPO: one decision per completion, as the reward is one).
-- KL: the k3 estimator added to the loss per token (DeepSeekMath), not folded into the reward (PPO-RLHF);
-  beta = 0 drops it and the reference pass (DAPO, Dr. GRPO); optionally times the ratio (DeepSeek-V3.2).
+- Advantage scale: the group's std (DeepSeekMath; unbiased, as TRL), the batch's, or none (Dr. GRPO: the std
+  over-weights too-easy and too-hard prompts). Baseline: the group's mean, the other G - 1's (RLOO) or the
+  batch's (REINFORCE++). Several rewards: summed then normalised, or each normalised in its group (GDPO).
+- Token normaliser (`aggregate`): per sequence, then over sequences (DeepSeekMath: a long completion's tokens
+  weigh less), the batch's tokens (DAPO), or a constant (Dr. GRPO: no length bias).
+- Objective (`policy_term`): PPO's clip with two epsilons (DAPO's clip-higher), CISPO or SAPO; `delta` caps
+  the ratio for A < 0 too. Ratio per token, or per sequence (GSPO: one decision per completion, one reward).
+- KL: k3 in the loss per token (DeepSeekMath), not in the reward (PPO-RLHF); beta = 0 drops it and the
+  reference pass (DAPO, Dr. GRPO); optionally times the ratio (DeepSeek-V3.2).
 - EOS is an action (in the mask, with gradient); tokens after it are padding (exactly zero gradient).
   Truncated completions keep their tokens unless masked (DAPO's overlong filtering).
 - Tokens trained: all, or the top-entropy share (`high_entropy_mask`, "80/20"); KL and normaliser count all.
-- logp is the full temperature-scaled softmax, although top_p < 1 and suppressed tokens truncate the
-  sampler's (as in TRL): ratio and KL compare like with like.
-- old_logp: at mu = 1 optimiser step per rollout, logp.detach() (ratio == 1); for mu > 1 a no-grad
-  `completion_logprobs`, not generate's log-probs, so the first ratio is exactly 1 (not only to rounding).
+- logp is the full temperature-scaled softmax (as TRL), though top_p and suppression truncate the sampler's.
+- old_logp: logp.detach() at one optimiser step per rollout; for more, a no-grad `completion_logprobs`, not
+  generate's log-probs, so the first ratio is exactly 1.
 """
 
 import math
@@ -55,24 +48,13 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 AdvantageScale = Literal["group", "batch", "none"]
 AdvantageBaseline = Literal["group", "rloo", "batch"]
 LOSS_TYPES = get_args(LossType)
-IMPORTANCE_SAMPLING_LEVELS = get_args(ImportanceSamplingLevel)
-ADVANTAGE_SCALES = get_args(AdvantageScale)
-ADVANTAGE_BASELINES = get_args(AdvantageBaseline)
-
-# The keys a prompt batch may carry. Anything else is an error rather than silently dropped: the recompute
-# must see exactly what generation saw.
 INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
 def _check_ranges(config: object, ranges: list[tuple[str, bool, str]]) -> None:
-    """Raise ValueError("--flag: message, got value") for the first (flag, ok, message) that is not ok; the
-    value is the config's field of the flag's name (--clip-eps-low: clip_eps_low)."""
     for flag, ok, message in ranges:
         if not ok:
             raise ValueError(f"{flag}: {message}, got {getattr(config, flag[2:].replace('-', '_'))}")
-
-
-# --- advantages ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -82,8 +64,7 @@ class AdvantageConfig:
     adv_scale: AdvantageScale = "group"
     """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
     adv_baseline: AdvantageBaseline = "group"
-    """What a reward is compared with: its group's mean (GRPO), the mean of the other G - 1 (RLOO), or the
-    batch's mean (REINFORCE++, with --adv-scale batch)."""
+    """Compare a reward with its group's mean (GRPO), the other G - 1's (RLOO), the batch's (REINFORCE++)."""
     adv_clip: float | None = None
     """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
@@ -91,7 +72,6 @@ class AdvantageConfig:
     group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no --gate)."""
 
     def check(self) -> None:
-        """Raise ValueError naming the flag of a setting out of range."""
         _check_ranges(self, [("--adv-clip", self.adv_clip is None or self.adv_clip > 0, "must be > 0")])
 
 
@@ -110,16 +90,14 @@ def group_advantages(
     clip: float | None = None,
     baseline: str = "group",
 ) -> torch.Tensor:
-    """Advantages (N,) = (r - baseline) / (std + eps), optionally clipped to [-clip, clip]. baseline: the mean
-    of the row's group (GRPO); "rloo" the mean of the G - 1 others (RLOO, Ahmadian et al. 2024: G / (G - 1)
-    times the group-centred reward); "batch" the mean of all N (REINFORCE++, Hu 2025). A zero-variance group
-    gets exactly 0, never NaN, under the group baselines."""
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 to have a group baseline, got {group_size}")
-    if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be (N,) with N divisible by {group_size=}, got {rewards.shape}")
-    if scale not in ADVANTAGE_SCALES or baseline not in ADVANTAGE_BASELINES:
-        raise ValueError(f"need scale in {ADVANTAGE_SCALES} and baseline in {ADVANTAGE_BASELINES}")
+    """Advantages (N,) = (r - baseline) / (std + eps), clipped to [-clip, clip] if given. baseline: the
+    group's mean (GRPO); "rloo" the other G - 1's mean (RLOO, Ahmadian et al. 2024); "batch" the mean of all N
+    (REINFORCE++, Hu 2025). NOTE: a zero-variance group gets exactly 0, never NaN, with a group baseline."""
+    if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"need rewards (N,), N divisible by group_size >= 2: {group_size=}, {rewards.shape}")
+    scales, baselines = get_args(AdvantageScale), get_args(AdvantageBaseline)
+    if scale not in scales or baseline not in baselines:
+        raise ValueError(f"need scale in {scales} and baseline in {baselines}")
     if not bool(torch.isfinite(rewards).all()):  # a NaN would spread to its whole group
         raise ValueError("rewards must be finite")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
@@ -143,14 +121,12 @@ def group_advantages(
 def normalized_reward_sum(
     components: torch.Tensor, weights: torch.Tensor, group_size: int, *, eps: float = 1e-4
 ) -> torch.Tensor:
-    """GDPO's "normalize then sum" (TRL's normalize_then_sum): each reward z-scored within its group, then
-    the weighted sum (N,), from components (N, K) and weights (K,). A reward that is constant in a group adds
-    0 there, so a binary format reward cannot drown the correctness signal of another."""
+    """GDPO: each of components (N, K) z-scored in its group, then weighted by weights (K,) and summed (N,).
+    A reward constant in a group adds 0 there, so a binary format reward cannot drown another's signal."""
     grouped = components.to(torch.promote_types(components.dtype, torch.float32))
     grouped = grouped.view(-1, group_size, components.shape[1])  # (B, G, K)
     z = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G, K)
-    constant = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # (B, 1, K) exactly 0 there, never NaN
-    z = torch.where(constant, 0.0, z)
+    z = torch.where((grouped == grouped[:, :1]).all(dim=1, keepdim=True), 0.0, z)  # constant: 0, not NaN
     # weights.to(z): z's device as well as its dtype (weights made on the CPU meet components on a GPU).
     return (z.reshape(components.shape) * weights.to(z)).sum(dim=1)  # (N,)
 
@@ -162,10 +138,8 @@ def advantages(
     group_size: int,
     config: AdvantageConfig,
 ) -> torch.Tensor:
-    """Advantages (N,) as `config` says: `group_advantages` of the weighted total rewards (N,); or, under
-    normalize_then_sum (GDPO), of `normalized_reward_sum` of components (N, K) with weights (K,), centred
-    and scaled over the batch. NOTE: GDPO ignores adv_scale and adv_baseline (its rewards are already
-    normalised in their groups); adv_clip applies to both."""
+    """Advantages (N,): `group_advantages` of rewards (N,), or (GDPO) of `normalized_reward_sum` of components
+    (N, K) and weights (K,) over the batch. NOTE: GDPO ignores adv_scale and adv_baseline, not adv_clip."""
     if config.multi_objective_aggregation == "sum_then_normalize":
         return group_advantages(
             rewards, group_size, scale=config.adv_scale, clip=config.adv_clip, baseline=config.adv_baseline
@@ -176,21 +150,15 @@ def advantages(
     return group_advantages(summed, group_size, scale="batch", clip=config.adv_clip, baseline="batch")
 
 
-# --- the loss -----------------------------------------------------------------------------------------------
-
-
 @dataclass
 class LossConfig:
     """The objective's settings. Field names are train.py's flags (--loss-type, --clip-eps-low, ...)."""
 
     loss_type: LossType = "dapo"
-    """The objective and its aggregation over tokens (grpo.policy_term, grpo.aggregate): grpo, bnpo, dr_grpo
-    and dapo are PPO-clip normalised per sequence, per process's tokens, by a constant, by the batch's tokens;
-    cispo (MiniMax-M1) weights logp by the truncated, detached ratio (bound 1 + --clip-eps-high); sapo (Qwen)
-    replaces the clip by a smooth gate (--sapo-temperature-pos/neg)."""
+    """grpo, bnpo, dr_grpo, dapo: PPO-clip normalised per sequence, per process's tokens, by a constant, by
+    the batch's tokens; cispo (MiniMax-M1): truncated detached ratio; sapo (Qwen): smooth gate."""
     importance_sampling_level: ImportanceSamplingLevel = "token"
-    """The importance ratio per token, or GSPO's per sequence (exp of the mean token log-ratio, clipped as a
-    whole; GSPO uses far smaller clip epsilons, e.g. 3e-4 / 4e-4)."""
+    """The importance ratio per token, or per sequence (GSPO: exp of the mean log-ratio; eps ~3e-4/4e-4)."""
     beta: float = 0.04
     """KL penalty weight (k3 estimator against the adapter-free reference). 0 skips the reference pass."""
     clip_eps_low: float = 0.2
@@ -204,20 +172,17 @@ class LossConfig:
     sapo_temperature_neg: float = 1.05
     """SAPO's gate temperature for negative advantages (steeper: a tighter trust region)."""
     top_entropy_quantile: float = 1.0
-    """Train the policy term only on the tokens whose entropy is in the top this share of the batch (0.2:
-    the "80/20" forking tokens); 1.0 trains on every token."""
+    """Train the policy term only on this top share of the batch's tokens by entropy (0.2: "80/20")."""
     use_bias_correction_kl: bool = False
     """Weight the k3 KL term by the importance ratio (DeepSeek-V3.2; TRL's default is on, ours off)."""
     kl_target_low: float | None = None
-    """Adaptive KL: after each step, divide beta by --kl-adapt-factor when the measured KL is below this.
-    Off unless both --kl-target-low and --kl-target-high are given."""
+    """Adaptive KL (with --kl-target-high): divide beta by --kl-adapt-factor when the KL is below this."""
     kl_target_high: float | None = None
     """Adaptive KL: multiply beta by --kl-adapt-factor when the measured KL is above this."""
     kl_adapt_factor: float = 1.5
     """Adaptive KL: the factor beta is multiplied or divided by."""
 
     def check(self) -> None:
-        """Raise ValueError naming the flag of the first setting out of range."""
         delta_ok = self.delta is None or self.delta > 1 + self.clip_eps_high
         ranges = [
             ("--beta", self.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
@@ -247,10 +212,8 @@ class BatchTotals:
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 >= 0 with d = ref_logp - logp.
-
-    Unbiased for tokens sampled from pi. expm1: exp(d) - 1 cancels for small d (fp32 could go negative).
-    """
+    """Schulman's k3 per token, exp(d) - d - 1 >= 0 with d = ref_logp - logp: unbiased for KL(pi || ref) on
+    tokens sampled from pi. expm1: exp(d) - 1 would cancel for small d (fp32 could go negative)."""
     d = ref_logp - logp
     return torch.expm1(d) - d
 
@@ -264,10 +227,8 @@ def aggregate(
         "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
         "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
         "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
-    "sapo" reduces like "grpo" and "cispo" like "dapo" (as TRL and their papers do). num_rows and num_tokens
-    are this batch's own unless `totals` gives the whole batch's, for a caller that splits it (micro-batches,
-    ranks): the parts then sum. dr_grpo needs totals.max_completion_length.
-    """
+    sapo reduces like grpo, cispo like dapo (as TRL). `totals`: the whole batch's counts when the caller
+    splits it (micro-batches, ranks), so the parts sum; dr_grpo needs it."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     mask = mask.bool()
@@ -277,10 +238,9 @@ def aggregate(
         lengths = mask.sum(dim=1).clamp(min=1)  # (N,) clamp: only T == 0 gives a zero-length row
         return (per_token.sum(dim=1) / lengths).sum() / num_rows
     if loss_type == "dr_grpo":
-        max_completion_length = None if totals is None else totals.max_completion_length
-        if max_completion_length is None:
+        if totals is None or totals.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (the sampler's max_new_tokens)")
-        return per_token.sum() / (num_rows * max_completion_length)
+        return per_token.sum() / (num_rows * totals.max_completion_length)
     num_tokens = mask.sum().clamp(min=1) if totals is None else totals.num_tokens
     return per_token.sum() / num_tokens
 
@@ -297,9 +257,8 @@ def policy_term(
         SAPO (Qwen, 2025)             -sigmoid(tau (r - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg
     """
     if config.loss_type == "cispo":
-        # REINFORCE weighted by the truncated, detached ratio: a clipped token keeps its gradient (scaled),
-        # where PPO's clip drops it. NOTE: TRL reads epsilon_high as the bound itself (5.0 recommended): ours
-        # is 1 + clip_eps_high, so TRL's 5.0 is clip_eps_high = 4.0 here.
+        # A clipped token keeps its (scaled) gradient, where PPO's clip drops it. NOTE: TRL's epsilon_high is
+        # the bound itself (5.0 recommended); ours is 1 + clip_eps_high, so TRL's 5.0 is clip_eps_high = 4.0.
         return -torch.clamp(ratio, max=1 + config.clip_eps_high).detach() * adv * logp
     if config.loss_type == "sapo":
         # A smooth gate in place of the hard clip; steeper (smaller trust region) for negative advantages.
@@ -316,12 +275,10 @@ def policy_term(
 def high_entropy_mask(
     entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *, pool: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """(N, T) bool: the unmasked tokens whose entropy is in the top `quantile` of the batch's (Wang et al.
-    2025, "Beyond the 80/20 rule": the few high-entropy "forking" tokens carry the learning signal).
-    `pool`: the entropies the quantile is taken over, when the batch is wider than these rows (all ranks)."""
+    """(N, T) bool: unmasked tokens in the top `quantile` by entropy (Wang et al. 2025, "Beyond the 80/20
+    rule": "forking" tokens carry the signal) of `pool` if given (all ranks' tokens), else of these rows'."""
     pool = entropy[mask.bool()] if pool is None else pool  # the unmasked tokens only
-    threshold = torch.quantile(pool.float(), 1 - quantile)
-    return (entropy >= threshold) & mask.bool()
+    return (entropy >= torch.quantile(pool.float(), 1 - quantile)) & mask.bool()
 
 
 def grpo_loss(
@@ -335,17 +292,12 @@ def grpo_loss(
     token_mask: torch.Tensor | None = None,
     totals: BatchTotals | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The GRPO loss (scalar) and its stats, from logp/old_logp/ref_logp/mask (N, T) and adv (N,).
-    ratio = exp(logp - old_logp) per token, or per row exp(mean_t(logp - old_logp)) (GSPO, Zheng et al.
-    2025); `policy_term` per loss_type, reduced by `aggregate` (over `totals`, the whole batch's counts, when
-    these rows are a part of it); token_mask (N, T) limits the policy term (`high_entropy_mask`);
-    use_bias_correction_kl weights k3 by the ratio (DeepSeek-V3.2).
-    Stats (token means): kl, ratio_mean, clip_frac_low / clip_frac_high (ratio past the clip: adv < 0 / > 0).
-    """
+    """The loss (scalar) from logp/old_logp/ref_logp/mask (N, T) and adv (N,), and stats (token means): kl,
+    ratio_mean, clip_frac_low/high (ratio past the clip, adv < 0 / > 0). token_mask: `high_entropy_mask`'s."""
     if config.beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
-    if config.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}")
+    if config.importance_sampling_level not in get_args(ImportanceSamplingLevel):
+        raise ValueError(f"importance_sampling_level must be one of {get_args(ImportanceSamplingLevel)}")
     mask = mask.bool()
     adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
     # Mask BEFORE exp: a huge masked log-ratio gives exp = inf, and where's zero gradient times inf is NaN.
@@ -356,14 +308,12 @@ def grpo_loss(
     per_token = policy_term(ratio, adv, logp, config).expand(mask.shape)  # (N, T) from (N, T) or (N, 1)
     if token_mask is not None:
         per_token = torch.where(token_mask, per_token, 0.0)
-    kl = None
-    if ref_logp is not None:
-        # Same masking-before-exp reason; both sides 0 gives k3 = 0 with zero gradient.
-        kl = kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))  # (N, T)
-        if config.use_bias_correction_kl:
-            kl = kl * ratio
-        if config.beta > 0:
-            per_token = per_token + config.beta * kl
+    # kl (N, T), masked before exp too: both sides 0 give k3 = 0 with zero gradient.
+    kl = None if ref_logp is None else kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))
+    if kl is not None and config.use_bias_correction_kl:  # DeepSeek-V3.2
+        kl = kl * ratio
+    if config.beta > 0:  # ref_logp is given (checked above)
+        per_token = per_token + config.beta * kl
     loss = aggregate(per_token, mask, config.loss_type, totals)
     with torch.no_grad():
         ratio = ratio.expand(mask.shape)  # (N, T)
@@ -375,40 +325,23 @@ def grpo_loss(
         }
         n = mask.sum().clamp(min=1)
         means = torch.stack([torch.where(mask, v, 0).sum() / n for v in values.values()])
-        stats = dict(zip(values, means.tolist()))  # one device sync for all of them
-    return loss, stats
-
-
-# --- which tokens count -------------------------------------------------------------------------------------
+    return loss, dict(zip(values, means.tolist()))  # one device sync for all the stats
 
 
 def completion_mask(
     completion_ids: torch.Tensor, eos_token_id: int | Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss mask (N, T) and `truncated` (N,), from each row's length, never from token values: a row runs up
-    to and including its first EOS, what follows is padding whatever its value (so pad == eos is safe); a
-    row without EOS was cut at max_new_tokens (all T count). An EOS-first row has length 1: a decision too.
-    `eos_token_id`: one id or several (a checkpoint may end a turn on <|im_end|> or <|endoftext|>)."""
+    """Loss mask (N, T) and `truncated` (N,), from lengths, never token values: a row runs through its first
+    EOS (one id or several: <|im_end|>, <|endoftext|>), the rest is padding whatever its value (pad == eos is
+    safe); a row without EOS was cut at max_new_tokens (all T count). An EOS-first row is a decision too."""
     T = completion_ids.shape[1]
     is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))  # (N, T)
     truncated = ~is_eos.any(dim=1)  # (N,)
     if T == 0:  # NOTE: nothing generated (max_new_tokens == 0); avoids argmax of an empty dim
         return is_eos, truncated
     # argmax returns the FIRST maximal index, i.e. the first EOS; rows without one have length T.
-    first_eos = is_eos.to(torch.int8).argmax(dim=1)  # (N,)
-    lengths = torch.where(truncated, T, first_eos + 1)  # (N,) +1: the EOS itself is in
-    positions = torch.arange(T, device=completion_ids.device)  # (T,)
-    return positions[None, :] < lengths[:, None], truncated
-
-
-# --- log-probabilities --------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def _entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy (N, T) of softmax(logits / temperature) in fp32, without grad (a metric)."""
-    # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
-    return torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(dim=-1)
+    lengths = torch.where(truncated, T, is_eos.to(torch.int8).argmax(dim=1) + 1)  # (N,) +1: the EOS is in
+    return torch.arange(T, device=completion_ids.device)[None, :] < lengths[:, None], truncated
 
 
 def logprobs_from_logits(
@@ -417,19 +350,20 @@ def logprobs_from_logits(
     """logp [and entropy] (N, T) of the tokens from shifted logits (N, T, V); temperature 0 counts as 1.
     The reference: it holds (N, T, V) fp32 copies (speedups.py's row-by-row version holds one row's)."""
     temperature = temperature if temperature > 0 else 1.0
-    # fp32, and divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
-    # the ratio.
+    # fp32, divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, 6% in the ratio.
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
     logp = logprobs.gather(-1, completion_ids[..., None]).squeeze(-1)  # (N, T)
-    return logp, (_entropy(logits, temperature) if return_entropy else None)
+    if not return_entropy:
+        return logp, None
+    with torch.no_grad():  # a metric; entr(p) = -p log p with entr(0) = 0: -inf logits give 0, not NaN
+        return logp, torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(dim=-1)
 
 
 def check_inputs(inputs: dict[str, torch.Tensor]) -> None:
     """Refuse prompt batches that generation and the recompute would silently read differently."""
     if set(inputs) - set(INPUT_KEYS):
         raise ValueError(f"unexpected prompt inputs {sorted(inputs)}; expected a subset of {INPUT_KEYS}")
-    # NOTE: with right padding the completion would follow pad tokens; generate only warns about it.
-    if not bool(inputs["attention_mask"][:, -1].all()):
+    if not bool(inputs["attention_mask"][:, -1].all()):  # NOTE: right padding: generate only warns
         raise ValueError("prompts must be LEFT-padded: attention_mask[:, -1] must be 1 on every row")
     # NOTE: without mm_token_type_ids, transformers 5 silently falls back to 1D positions for Qwen-VL.
     if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:
@@ -443,17 +377,14 @@ def recompute_inputs(
 ) -> dict[str, torch.Tensor]:
     """The model inputs for prompt + completion (N, P + T): exactly what generate saw, in one forward pass."""
     check_inputs(inputs)
-    input_ids = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P + T)
-    # Ones over the whole completion, as generate appends them: tokens after EOS are seen only by later,
-    # masked positions (attention is causal), so they cannot change any unmasked log-prob.
+    # Ones over the whole completion, as generate appends them: tokens after EOS reach only masked positions.
     ones = torch.ones_like(completion_ids, dtype=inputs["attention_mask"].dtype)  # (N, T)
     attention_mask = torch.cat([inputs["attention_mask"], ones], dim=1)  # (N, P + T)
+    input_ids = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P + T)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if "mm_token_type_ids" in inputs:
-        # Completion tokens are text (type 0): image tokens were suppressed at sampling time.
+    if "mm_token_type_ids" in inputs:  # completion tokens are text (type 0): image tokens are never sampled
         kwargs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
-    if "image_grid_thw" in inputs:
-        # The model derives 3D mRoPE positions from mm_token_type_ids + attention_mask, as generate did.
+    if "image_grid_thw" in inputs:  # 3D mRoPE positions come from mm_token_type_ids + attention_mask
         kwargs.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
     else:
         # NOTE: generate numbers each row from its first real token (cumsum of the mask), not arange(P + T);
@@ -482,12 +413,9 @@ def completion_logprobs(
     )
 
 
-# --- sampling (the reference sampler: one generate call) ----------------------------------------------------
-
-
 @dataclass
 class SamplingConfig:
-    """How completions are drawn (the recompute divides by the same temperature). Field names are flags."""
+    """How completions are drawn. Field names are train.py's flags."""
 
     max_new_tokens: int = 24
     """Longest completion; a completion that reaches it without EOS counts as truncated."""
@@ -497,8 +425,6 @@ class SamplingConfig:
     """Nucleus sampling threshold (1.0: off)."""
 
     def check(self) -> None:
-        """Raise ValueError naming the flag of the first setting out of range."""
-        # NOTE: at temperature 0 (greedy) a group's completions are equal and carry no advantage.
         greedy = "must be > 0: at 0 every completion of a group is the same"
         ranges = [
             ("--max-new-tokens", self.max_new_tokens >= 1, "must be >= 1"),
@@ -510,30 +436,14 @@ class SamplingConfig:
 
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
 # defaults (top_k=50; Qwen2.5-VL-Instruct ships a repetition penalty). These switch every other processor off.
-NO_OTHER_PROCESSORS = dict(
-    top_k=None,
-    min_p=None,
-    top_h=None,
-    typical_p=1.0,
-    epsilon_cutoff=0.0,
-    eta_cutoff=0.0,
-    repetition_penalty=1.0,
-    encoder_repetition_penalty=1.0,
-    no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0,
-    bad_words_ids=None,
-    sequence_bias=None,
-    guidance_scale=None,
-    min_length=0,
-    min_new_tokens=None,
-    forced_bos_token_id=None,
-    forced_eos_token_id=None,
-    exponential_decay_length_penalty=None,
-    begin_suppress_tokens=None,
-    watermarking_config=None,
-    remove_invalid_values=False,
-    num_beams=1,
-)
+NO_OTHER_PROCESSORS = {
+    **dict(top_k=None, min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0),
+    **dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0),
+    **dict(encoder_no_repeat_ngram_size=0, bad_words_ids=None, sequence_bias=None),
+    **dict(min_length=0, min_new_tokens=None, exponential_decay_length_penalty=None, num_beams=1),
+    **dict(forced_bos_token_id=None, forced_eos_token_id=None, begin_suppress_tokens=None),
+    **dict(guidance_scale=None, watermarking_config=None, remove_invalid_values=False),
+}
 
 
 def check_sampling(
@@ -559,9 +469,8 @@ def sample_completions(
     return_logprobs: bool = False,
     num_return_sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Completion ids (N, T) from one `model.generate` call [and their log-probs, for tests]. `inputs`:
-    LEFT-padded prompts, each sampled num_return_sequences = G times (rows in `repeat_interleave` order).
-    temperature 0 is greedy; top_k and every other processor are off; suppress_token_ids are never drawn."""
+    """Completion ids (N, T) [and log-probs, for tests] from one `model.generate` call on LEFT-padded prompts,
+    each num_return_sequences = G times (`repeat_interleave` order); temperature 0 is greedy, top_k is off."""
     check_inputs(inputs)
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     sample = temperature > 0
@@ -589,9 +498,6 @@ def sample_completions(
     return completion_ids, logp
 
 
-# --- what to log --------------------------------------------------------------------------------------------
-
-
 def rollout_metrics(
     rewards: torch.Tensor,
     components: dict[str, torch.Tensor],
@@ -602,8 +508,6 @@ def rollout_metrics(
 ) -> dict[str, float]:
     """Scalars about one rollout (tensors per row (N,), mask (N, T)); population stds, so N = 1 gives 0.
     completion_length/correct (/incorrect) is left out when no row is correct (incorrect)."""
-    if rewards.numel() % group_size:
-        raise ValueError(f"N={rewards.numel()} rewards do not split into groups of {group_size}")
     lengths = mask.sum(dim=1).float()  # (N,)
     metrics = {}
     for name, values in {"reward": rewards, **{f"reward/{k}": v for k, v in components.items()}}.items():
@@ -622,26 +526,14 @@ def rollout_metrics(
     return {key: float(value) for key, value in metrics.items()}
 
 
-# --- the KL weight: adaptive beta ---------------------------------------------------------------------------
-
-
 def adapt_beta(beta: float, kl: float, config: LossConfig) -> float:
-    """Keep the measured KL inside [kl_target_low, kl_target_high] by scaling beta after each step.
-
-    A band controller in the spirit of PPO's adaptive KL penalty (Schulman et al. 2017, section 4): KL above
-    the band multiplies beta by `kl_adapt_factor`, KL below divides it, inside the band beta stays. NOTE:
-    beta = 0 stays 0 (no reference pass at all); a non-finite KL, or no band (both targets None), leaves beta
-    unchanged.
-    """
+    """Keep the KL in [kl_target_low, kl_target_high] (PPO's adaptive KL, Schulman et al. 2017, as a band).
+    NOTE: beta = 0 stays 0 (no reference pass); a non-finite KL or no band (targets None) leaves it."""
     low, high, factor = config.kl_target_low, config.kl_target_high, config.kl_adapt_factor
     if low is None and high is None:
         return beta
     if low is None or high is None or not low < high or factor <= 1.0:
         raise ValueError("need kl_target_low < kl_target_high and kl_adapt_factor > 1")
-    if not math.isfinite(kl):
+    if not math.isfinite(kl) or low <= kl <= high:
         return beta
-    if kl > high:
-        return beta * factor
-    if kl < low:
-        return beta / factor
-    return beta
+    return beta * factor if kl > high else beta / factor
