@@ -202,17 +202,8 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
     if not args.log_completions_every or step % args.log_completions_every:
         return []
     components = {name: values.tolist() for name, values in ro.components.items()}
-    rows = logs.rollout_records(
-        step,
-        ro.samples,
-        ro.texts,
-        components,
-        ro.reward.tolist(),
-        ro.adv.tolist(),
-        ro.mask.sum(dim=1).tolist(),
-        ro.truncated.tolist(),
-        args.group_size,
-    )
+    numbers = (ro.reward.tolist(), ro.adv.tolist(), ro.mask.sum(dim=1).tolist(), ro.truncated.tolist())
+    rows = logs.rollout_records(step, ro.samples, ro.texts, components, *numbers, args.group_size)
     return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
 
 
@@ -225,14 +216,14 @@ def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
 @torch.no_grad()
 def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
-    G, model, tokenizer = args.group_size, run.model, run.tokenizer
+    G, model, ends = args.group_size, run.model, run.sampling["eos_token_id"]
     batch = prompt_batch(run, prompts, args)
     model.eval()
     # The B prompts go in; rows b*G .. b*G+G-1 come out as prompt b's group. `recording`: the frozen trunk,
     # when the run's sampler records it (speedups.py), else None.
-    ids, recording = speedups.sample(model, batch.inputs, run.speed, group_size=G, **run.sampling)  # (N, T)
-    mask, truncated = grpo.completion_mask(ids, run.sampling["eos_token_id"])  # (N, T), (N,)
-    texts = data.decode_completions(tokenizer, ids, mask, run.sampling["eos_token_id"])
+    completion_ids, recording = speedups.sample(model, batch.inputs, run.speed, group_size=G, **run.sampling)
+    mask, truncated = grpo.completion_mask(completion_ids, ends)  # (N, T), (N,)
+    texts = data.decode_completions(run.tokenizer, completion_ids, mask, ends)
     if run.box_frame:  # the image's frame, for rewards that read coordinates (grounding.py)
         prompts = data.with_grounding(prompts, batch, run.box_frame)
     samples = [s for s in prompts for _ in range(G)]
@@ -242,19 +233,10 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
+    adv = advantages(reward, components, run, args)  # (N,)
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
-    return Rollout(
-        inputs=inputs,
-        completion_ids=ids,
-        mask=mask,
-        truncated=truncated,
-        texts=texts,
-        samples=samples,
-        reward=reward,
-        components=components,
-        adv=advantages(reward, components, run, args),
-        chunks=speedups.row_chunks(model, inputs, ids, recording, run.speed),
-    )
+    chunks = speedups.row_chunks(model, inputs, completion_ids, recording, run.speed)
+    return Rollout(inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks)
 
 
 def advantages(
@@ -301,22 +283,16 @@ def accumulate_policy_gradient(
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in ro.chunks:
         logp, entropy = speedups.chunk_logprobs(run.model, chunk, run.speed, **options)  # (n, T) with grad
-        old_logp = ro.old_logp[chunk.rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
-        ref_logp = ro.ref_logp[chunk.rows] if ro.ref_logp is not None else None
-        token_mask = ro.token_mask[chunk.rows] if ro.token_mask is not None else None
+        rows, adv, mask = chunk.rows, ro.adv[chunk.rows], ro.mask[chunk.rows]
+        old_logp = ro.old_logp[rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
+        ref_logp = ro.ref_logp[rows] if ro.ref_logp is not None else None
+        token_mask = ro.token_mask[rows] if ro.token_mask is not None else None
         loss, stats = grpo.grpo_loss(
-            logp,
-            old_logp,
-            ref_logp,
-            ro.adv[chunk.rows],
-            ro.mask[chunk.rows],
-            config=config,
-            token_mask=token_mask,
-            totals=totals,
+            logp, old_logp, ref_logp, adv, mask, config, token_mask=token_mask, totals=totals
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
-        share = ro.mask[chunk.rows].sum().item() / totals.num_tokens.item()
+        share = mask.sum().item() / totals.num_tokens.item()  # this chunk's part of the token means
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
     # Under torchrun each rank holds its share of the global means.
