@@ -58,6 +58,12 @@ def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tenso
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)  # (N,)
 
 
+def _cache_keyword(model: nn.Module) -> str:
+    """The KV cache's name in the model's forward and output: `cache` from transformers 5.24 (where
+    `past_key_values` is deprecated, removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tuple[Any, ...]:
     """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
     last logits (N, V), the KV cache (N rows) and the RoPE position of the first new token (N, 1)."""
@@ -78,7 +84,7 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tu
                 " this model keeps none: sample with sample_completions (generate) instead"
             )
         position = position + deltas.to(position.device)
-    cache = out.past_key_values
+    cache = out[_cache_keyword(model)]
     cache.batch_repeat_interleave(group_size)  # (B, ...) -> (N, ...): each prompt's keys and values, G times
     logits = out.logits[:, -1]  # (B, V)
     return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
@@ -124,7 +130,7 @@ def sample_shared_prefill(
         suppressed[list(suppress_token_ids)] = True
         running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
         ends = torch.as_tensor(eos_token_id, device=logits.device).reshape(-1)  # one id or several
-        tokens = []
+        tokens, cache_keyword = [], _cache_keyword(model)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
@@ -138,8 +144,8 @@ def sample_shared_prefill(
                 input_ids=token[:, None],
                 attention_mask=mask,
                 position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_keyword: cache},
             ).logits[:, -1]  # (N, V)
     if recorded:
         recorded[0] = recorded[0].repeat_interleave(group_size, dim=0)  # the prompt's (B, P, H) -> (N, P, H)

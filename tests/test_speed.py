@@ -10,6 +10,7 @@ B != 0.
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -203,6 +204,19 @@ def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_im
 SAMPLING = dict(eos_token_id=1, pad_token_id=0, suppress_token_ids=SUPPRESS)  # P(EOS) ~ 1/5 per step
 
 
+@pytest.mark.parametrize("kind", ["vlm", "text"])
+def test_shared_prefill_uses_no_deprecated_keyword_of_the_installed_transformers(kind):
+    """The KV cache is passed and read under the name this transformers expects (`cache` from 5.24, where
+    `past_key_values` warns and is removed in 5.40): any deprecation warning fails here."""
+    model = make_random_vlm() if kind == "vlm" else make_random_causal_lm()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids, _ = speedups.sample_shared_prefill(
+            model, inputs_for(kind, 1), group_size=2, max_new_tokens=4, temperature=1.0, **SAMPLING
+        )
+    assert ids.shape[1] >= 1
+
+
 @pytest.mark.parametrize(
     "kind, temperature, top_p",
     [("vlm", 0.7, 0.9), ("vlm", 1.0, 1.0), ("vlm", 0.0, 1.0), ("text", 0.7, 0.9), ("text", 0.0, 1.0)]
@@ -220,9 +234,8 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
         expanded = inputs_for(kind, G)
         reference, _ = grpo.sample_completions(model, expanded, **options)
         assert torch.equal(ours, reference), seed
-    if (
-        temperature > 0 and top_p > 0.5
-    ):  # rows stopped at different steps: the padding after EOS was exercised
+    # Sampled rows stop at different steps: the padding after EOS was exercised.
+    if temperature > 0 and top_p > 0.5:
         lengths = grpo.completion_mask(ours, eos_token_id=1)[0].sum(1)
         assert len(set(lengths.tolist())) > 1
 
