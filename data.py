@@ -132,15 +132,13 @@ def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
     if isinstance(image, Image.Image):
         return image.convert("RGB")
     path = Path(image)
-    if not path.is_file():
-        raise ValueError(f"{location(sample)}: image {path} not found")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{location(sample)}: image {path} is an empty file")
     try:
         with Image.open(path) as im:
             return im.convert("RGB")  # convert() forces a full decode, so truncated files fail here
-    except (OSError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{location(sample)}: image {path} cannot be decoded ({e})") from e
+    except (OSError, Image.DecompressionBombError) as e:  # a missing or empty file fails here too
+        size = path.stat().st_size if path.is_file() else None
+        why = "not found" if size is None else "is an empty file" if size == 0 else f"cannot be decoded ({e})"
+        raise ValueError(f"{location(sample)}: image {path} {why}") from e
 
 
 @dataclass
@@ -287,23 +285,19 @@ def prepare_prompts(
             raise ValueError(f"{location(samples[0])}: a text-only model (no image processor) got images")
         vision = image_processor(images=images, return_tensors="pt")
         grid = vision["image_grid_thw"]  # (images, 3): temporal, height, width in patches
-        # The k-th <|image_pad|> of the batch becomes one pad per visual token of image k.
-        counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())
+        counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())  # visual tokens of image k
         texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in texts]
         inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
         resized = [tuple(s) for s in (grid[:, 1:].flip(-1) * image_processor.patch_size).tolist()]  # (w, h)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     for sample, row in zip(samples, ids):
         _check_prompt_length(sample, len(row), max_prompt_length)
-    P = max(len(row) for row in ids)
-    # NOTE: left padding, so that generated tokens of every row start at column P.
+    P = max(len(row) for row in ids)  # NOTE: left padding, so that every row's completion starts at column P
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (P - len(row)) + row for row in ids])  # (rows, P)
-    attention_mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids])  # (rows, P)
-    inputs.update(input_ids=input_ids, attention_mask=attention_mask)
-    if images:
-        # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens.
-        is_image = input_ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        inputs["mm_token_type_ids"] = is_image.long() * attention_mask
+    mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids])  # (rows, P)
+    inputs.update(input_ids=input_ids, attention_mask=mask)
+    if images:  # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens
+        inputs["mm_token_type_ids"] = mask * input_ids.eq(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
     inputs = {key: value.to(device) for key, value in inputs.items()}
     return PromptBatch(inputs, images_per_row, [im.size for im in images], resized)
 
@@ -478,14 +472,12 @@ def batch_for_step(
     sampling_round: int = 0,
     rounds: int = 1,
 ) -> list[dict]:
-    """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R, from epochs of seeded
-    permutations; a pure function of the step (and of dynamic sampling's round k of `rounds`; k > 0 reads a
-    stream of its own): resume is exact. NOTE: --adv-scale batch divides by this rank's batch's std."""
-    if sampling_round > 0:
+    """This rank's B samples: [rank*B, (rank+1)*B) of the step's B*R, from epochs of seeded permutations,
+    a pure function of (step, round), so resume is exact. NOTE: --adv-scale batch: the std of these B only."""
+    if sampling_round > 0:  # dynamic sampling's extra round k of `rounds` reads a stream of its own
         step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
     global_size = batch_size * world
-    per_epoch = max(len(samples) // global_size, 1)
-    epoch, k = divmod(step, per_epoch)
+    epoch, k = divmod(step, max(len(samples) // global_size, 1))  # batches per epoch, at least one
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
     return global_batch[rank * batch_size : (rank + 1) * batch_size]

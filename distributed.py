@@ -48,9 +48,11 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _collective_device() -> torch.device:
-    """Where tensors must be to be communicated: the current CUDA device for NCCL, the CPU for gloo."""
-    return torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over ranks, on the device its backend communicates through (NCCL: CUDA, gloo: the CPU)."""
+    t = t.to(torch.device("cuda" if dist.get_backend() == "nccl" else "cpu"))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
 
 
 def seed_rank_stream(seed: int, step: int, rank: int) -> None:
@@ -63,8 +65,7 @@ def batch_counts(mask: torch.Tensor) -> tuple[int, torch.Tensor]:
     """(num_rows, num_tokens >= 1) summed over ranks; int64, so a bf16 loss divided by it stays bf16."""
     if not initialized():
         return mask.shape[0], mask.sum().clamp(min=1)
-    counts = torch.tensor([mask.shape[0], int(mask.sum())], dtype=torch.int64, device=_collective_device())
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    counts = _summed(torch.tensor([mask.shape[0], int(mask.sum())], dtype=torch.int64))
     return int(counts[0]), counts[1].to(mask.device).clamp(min=1)
 
 
@@ -73,8 +74,7 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     if not initialized():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.float().reshape(-1) for g in grads]).to(_collective_device())
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = _summed(torch.cat([g.float().reshape(-1) for g in grads]))
     for p, g, summed in zip(params, grads, flat.split([g.numel() for g in grads])):
         p.grad = g.copy_(summed.view_as(g))
 
@@ -83,20 +83,17 @@ def sum_across_ranks(values: list[float]) -> list[float]:
     """Element-wise sum over ranks, in float64."""
     if not initialized():
         return list(values)
-    total = torch.tensor(values, dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.tolist()
+    return _summed(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def mean_across_ranks(record: dict[str, float]) -> dict[str, float]:
     """Each key's mean over the ranks that logged it (keys differ), NaN ignored; equal values stay exact."""
     if not initialized():
         return record
-    gathered, merged = gather_lists([record]), {}
-    for key in dict.fromkeys(k for rank_record in gathered for k in rank_record):  # first-seen order
-        values = [r[key] for r in gathered if key in r and not math.isnan(r[key])] or [math.nan]
-        merged[key] = values[0] if len(set(values)) == 1 else sum(values) / len(values)
-    return merged
+    records = gather_lists([record])
+    keys = dict.fromkeys(k for r in records for k in r)  # first-seen order
+    values = {k: [r[k] for r in records if k in r and not math.isnan(r[k])] or [math.nan] for k in keys}
+    return {k: v[0] if len(set(v)) == 1 else sum(v) / len(v) for k, v in values.items()}
 
 
 def gather_lists(items: list) -> list:

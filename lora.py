@@ -16,7 +16,7 @@ Choices and sharp edges:
   the base dtype, half the memory, at that cost.
 - The branch computes in the activation dtype: A and B (tiny) are cast down, never the (tokens, d_in) input
   up, so a bf16 forward stays on bf16 matmuls and keeps no fp32 copy of the input for backward (PEFT upcasts
-  it). `delta_weight` (merge, unmerge) is computed in fp32 and rounded once.
+  it); autograd casts their gradients back to fp32. `delta_weight` (merge, unmerge) is fp32, rounded once.
 - LoRA dropout follows the wrapped layer's mode (HF models load in eval), then `.train()`/`.eval()`.
 - Merging is explicit, never a side effect of `.train()`/`.eval()`; merging twice, unmerging an unmerged
   model, merging inside `adapters_disabled` or disabling merged adapters raise RuntimeError; merged, A and B
@@ -113,9 +113,7 @@ class LoRALinear(nn.Module):
         out = self.base_layer(x)
         if self.disabled or self.merged:  # merged: the update is already inside base_layer.weight
             return out
-        # The branch runs in the activation dtype: the (r, d_in) and (d_out, r) weights are cast down, never
-        # the (tokens, d_in) activation up, and autograd casts the gradient back to the fp32 parameters.
-        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)  # no-ops when dtypes match
+        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)  # A, B cast down, never x up
         lora = F.linear(F.linear(self.dropout(x), a), b)  # (..., d_out)
         return out + (lora * self.scaling).to(out.dtype)
 
@@ -149,8 +147,7 @@ def target_linears(model: nn.Module, blocks: Blocks, targets: Sequence[str]) -> 
 
 def lora_modules(model: nn.Module, *, required: bool = False) -> dict[str, LoRALinear]:
     """Every LoRALinear of `model` by dotted name, in module order; `required`: a ValueError when none."""
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    if required and not modules:
+    if not (modules := {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}) and required:
         raise ValueError(f"{type(model).__name__} has no LoRA adapters; call inject_lora first")
     return modules
 
@@ -199,17 +196,15 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside the block the model is the base model (the GRPO reference policy, without a second copy)."""
-    modules = list(lora_modules(model, required=True).values())
-    if any(m.merged for m in modules):
-        # NOTE: the merged weight no longer contains the base weight exactly; refuse rather than approximate.
+    previous = {m: m.disabled for m in lora_modules(model, required=True).values()}  # restored on exit
+    if any(m.merged for m in previous):  # NOTE: merged W is not the base W exactly: refuse, not approximate
         raise RuntimeError("cannot disable merged adapters; call unmerge_lora first")
-    previous = [m.disabled for m in modules]
-    for m in modules:
+    for m in previous:
         m.disabled = True
     try:
         yield
     finally:
-        for m, flag in zip(modules, previous):
+        for m, flag in previous.items():
             m.disabled = flag
 
 

@@ -233,12 +233,11 @@ def score(
             raise ValueError(f"got {n} completions but {len(given)} {what}")
     if len({r.name for r in rewards}) != len(rewards):
         raise ValueError(f"reward names must be unique, got {[r.name for r in rewards]}")
-    components: dict[str, list[float]] = {}
+    components = {r.name: [] for r in rewards}  # reward name -> (N,) unweighted values
     for r in rewards:
         wants_length = _wants_completion_length(r.fn)
         if wants_length and completion_lengths is None:
             raise ValueError(f"reward {r.name!r} needs completion_lengths= (it declares completion_length)")
-        components[r.name] = values = []
         for i, (completion, sample) in enumerate(zip(completions, samples)):
             kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
             try:
@@ -248,7 +247,7 @@ def score(
                 raise
             if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value)):
                 raise _bad_value(value, r.name, i, sample)
-            values.append(float(value))
+            components[r.name].append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
     weighted = [float(sum(r.weight * components[r.name][i] for r in rewards)) for i in range(n)]  # (N,)
     total = [0.0 if any(failed[i] for failed in gate_failed.values()) else w for i, w in enumerate(weighted)]
