@@ -20,6 +20,9 @@ The same prompts, seed and options always give the same file.
 `--write-prompts N` first writes N prompts of the built-in inspection task to --prompts (prompt_id, prompt,
 label, answer; no images, which scoring does not need), so that the whole loop runs without any input.
 
+`write_scored_demo` writes pre-scored groups of the same task, with their images, for
+`scripts/train_offline.py --demo`.
+
 A bad flag, a missing prompts file or a malformed prompts line prints one line `error: ...` naming the flag
 or file:line and exits with status 2 (cli.py).
 """
@@ -122,6 +125,32 @@ def mock_rollouts(prompts: list[dict], args: Args) -> list[dict]:
                     }
                 )
     return lines
+
+
+def write_scored_demo(directory: Path, n: int, seed: int) -> tuple[Path, Path]:
+    """Pre-scored groups for train_offline.py --demo: train.jsonl (n inspection prompts) and val.jsonl
+    (n // 4, held-out split) with PNG images, under `directory`; returns both. Each group holds G = 4
+    candidates, shuffled: right 1.0, wrong verdict 0.0, broken format with the right verdict 0.1-0.2, neither
+    0.0-0.1."""
+    rng = random.Random(seed)
+    (directory / "images").mkdir(parents=True, exist_ok=True)
+    for split, count in (("train", n), ("val", max(n // 4, 1))):
+        rows = []
+        for s in tasks.make_task("inspection", count, split="test" if split == "val" else "train", seed=seed):
+            images = [f"images/{split}-{s['id']}-{k}.png" for k in range(len(s["images"]))]
+            for image, name in zip(s["images"], images):
+                image.save(directory / name)
+            label, other, reason = s["label"], FLIP[s["label"]], s["answer"].split("\n", 1)[1]
+            wrong = "理由: 无缺陷" if other == "通过" else f"理由: 图片{rng.randint(1, len(images))}有缺陷"
+            broken = rng.choice([label, f"{label} {reason}", f"{reason}\n{label}"])  # the right verdict
+            group = [(s["answer"], 1.0), (f"{other}\n{wrong}", 0.0), (broken, rng.uniform(0.1, 0.2))]
+            group.append((rng.choice([other, reason, "理由:"]), rng.uniform(0.0, 0.1)))
+            rng.shuffle(group)
+            row = {"id": s["id"], "images": images, "prompt": s["prompt"], "label": label}
+            row.update(completions=[c for c, _ in group], scores=[round(x, 3) for _, x in group])
+            rows.append(row)
+        write_jsonl(str(directory / f"{split}.jsonl"), rows)
+    return directory / "train.jsonl", directory / "val.jsonl"
 
 
 def read_prompts(path: str) -> list[dict]:

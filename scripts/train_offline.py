@@ -2,7 +2,6 @@
 
     python scripts/train_offline.py --demo           # built-in pre-scored inspection groups, CPU, < 1 min
     python scripts/train_offline.py --demo --curriculum-top-k 2 --curriculum-epochs 1 --best-by kl
-    python scripts/train_offline.py --help           # every flag, with its documentation
     python scripts/train_offline.py --data scored.jsonl --val-data scored_val.jsonl --adv-clip 5 \\
         --model Qwen/Qwen2.5-VL-3B-Instruct --device cuda --lr 1e-5 --batch-size 4
 
@@ -10,31 +9,29 @@ Input: JSONL lines as data.py reads them, plus `completions: [text, ...]` and `s
 length G >= 2 (G may differ between lines). B prompts per batch, N = B*G rows, T completion length.
 
 The algorithm (`main`), epochs over the same fixed groups:
-1. ref_logp: one no-grad pass with the adapters off, once (over the training rows only when beta > 0).
-2. rce_epochs of reward-weighted cross-entropy: per group L = sum_i softmax(scores / tau)_i * CE_i, CE_i the
+1. ref_logp: one no-grad pass with the adapters off (over the training rows only when beta > 0).
+2. rce_epochs of reward-weighted cross-entropy, per group sum_i softmax(scores / tau)_i * CE_i with CE_i the
    MEAN token NLL of completion i, EOS included (a long completion must not outweigh a better-scored short
-   one); tau linear from tau_start to tau_end; learning rate lr * rce_lr_scale, constant.
-3. old_logp: one no-grad pass with the policy GRPO starts from, frozen for all GRPO epochs, so the ratio
-   pi / pi_old measures the phase's total drift and the PPO clip bounds it. (--old-logp-from init: the
-   initial policy's, the reference; after RCE the first ratio is then != 1 and the clip may already bind.)
+   one); tau linear from tau_start to tau_end; a constant learning rate lr * rce_lr_scale.
+3. old_logp: one no-grad pass with the policy GRPO starts from, frozen for all GRPO epochs: pi / pi_old
+   measures the phase's total drift and the PPO clip bounds it. (--old-logp-from init: the reference's;
+   after RCE the first ratio is then != 1 and the clip may already bind.)
 4. grpo_epochs of grpo.grpo_loss on grpo.group_advantages of the scores; a fresh AdamW at lr, warm-up +
    cosine. NOTE: a group of equal scores has adv 0 (no GRPO signal); RCE still imitates it, uniformly.
    Curriculum: in the first curriculum_epochs only each group's top-k completions enter the loss, with the
    FULL group's advantages (the baseline does not change).
-5. After each epoch: validation, checkpoint-<epoch>/ (newest keep_last kept), best/ (swapped in whole) when
-   the --best-by metric beats every trained epoch before, one line of metrics.jsonl.
+5. After each epoch: validation, checkpoint-<epoch>/ (newest keep_last kept), best/ by --best-by, metrics.
 
 Choices:
 - A batch holds prompts of one G and is fixed for the run (only the batch order is shuffled), so the first
   GRPO step sees the padding old_logp saw: its ratio is 1 to rounding. Prompts are prepared anew in every
-  pass: a dataset's pixel values need not fit in memory.
-- The completions are given text: logp at temperature 1, EOS appended to each (an action, as in grpo.py).
-  One that holds the EOS text or exceeds max_completion_length raises naming its line (never truncated).
-- Validation (--val-data, or a seeded --val-fraction of the training prompts): val/kl, the token mean of
-  grpo.kl_k3 against the reference (NOTE: on fixed text, not the policy's samples, so a divergence, not a KL
-  estimate; by it the least-moved epoch wins); val/reward, the mean over groups of (1/G) sum_i adv_i *
-  mean_logp_i, how much the policy prefers the higher-scored completions; val/margin, the mean over groups
-  of mean_logp(best-scored) - mean_logp(worst-scored), reported only.
+  pass (pixel values need not fit in memory). Completions are given text: logp at temperature 1, EOS
+  appended (an action, as in grpo.py); one that holds the EOS text or is too long raises (never truncated).
+- Validation (--val-data, or a seeded --val-fraction of the prompts): val/kl, the token mean of grpo.kl_k3
+  against the reference (NOTE: on fixed text, not the policy's samples: a divergence, not a KL estimate; by it
+  the least-moved epoch wins); val/reward, the group mean of (1/G) sum_i adv_i * mean_logp_i (how much the
+  policy prefers the higher-scored completions); val/margin, the group mean of mean_logp(best-scored) -
+  mean_logp(worst-scored), reported only.
 - Adaptive KL (a per-step beta) and normalize_then_sum (several rewards) have no meaning here: refused.
 """
 
@@ -50,7 +47,6 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -65,13 +61,13 @@ import grpo
 import logs
 import lora
 import model_io
-import tasks
+from scripts import mock_rollouts
 
 
-@dataclass
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
+@dataclasses.dataclass
 class Args:
-    """Offline GRPO: this script's flags, then the settings groups it shares with train.py. Every flag keeps a
-    flat name, `--beta` not `--loss.beta` (tyro.conf.OmitArgPrefixes)."""
+    """Offline GRPO: this script's flags, then the settings groups it shares with train.py."""
 
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of a Qwen-VL checkpoint (or a text-only causal LM). Default: the tiny one."""
@@ -116,6 +112,7 @@ class Args:
     warmup_steps: int = 2
     """Linear warm-up steps before the cosine decay of the GRPO epochs."""
     weight_decay: float = 0.0
+    """AdamW weight decay of the LoRA parameters."""
     max_grad_norm: float = 1.0
     """Gradient-norm clipping of the LoRA gradients."""
     output_dir: str = "runs/offline"
@@ -136,13 +133,15 @@ class Args:
     """LoRA (lora.py): where, its rank and scale."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Pure pieces of the algorithm
-
-
-def tau_schedule(epoch: int, rce_epochs: int, tau_start: float, tau_end: float) -> float:
-    """tau of RCE epoch `epoch` (0-based): linear from tau_start (first) to tau_end (last RCE epoch)."""
-    return tau_start + (tau_end - tau_start) * epoch / max(rce_epochs - 1, 1)
+# --- Pure pieces of the algorithm ---------------------------------------------------------------------------
+def epoch_schedule(epoch: int, args: Args) -> dict:
+    """The first keys of epoch `epoch`'s record (1-based): RCE epochs' tau, linear from tau_start (first) to
+    tau_end (last); then GRPO epochs' top_k, curriculum_top_k in the first curriculum_epochs, else None."""
+    if epoch <= args.rce_epochs:
+        tau = args.tau_start + (args.tau_end - args.tau_start) * (epoch - 1) / max(args.rce_epochs - 1, 1)
+        return {"epoch": epoch, "phase": "rce", "tau": tau}
+    top_k = args.curriculum_top_k if epoch - args.rce_epochs <= args.curriculum_epochs else None
+    return {"epoch": epoch, "phase": "grpo", "curriculum": top_k is not None, "top_k": top_k}
 
 
 def rce_loss(nll: torch.Tensor, scores: torch.Tensor, tau: float) -> torch.Tensor:
@@ -163,16 +162,9 @@ def curriculum_mask(scores: torch.Tensor, group_size: int, top_k: int | None) ->
     return torch.zeros_like(grouped, dtype=torch.bool).scatter_(1, order[:, :top_k], True).view(-1)
 
 
-def curriculum_top_k(grpo_epoch: int, *, top_k: int | None, curriculum_epochs: int) -> int | None:
-    """The top-k of GRPO epoch `grpo_epoch` (0-based): top_k during the first curriculum_epochs, then None."""
-    return top_k if grpo_epoch < curriculum_epochs else None
-
-
 def is_better(metric: str, value: float, best: float | None) -> bool:
     """Whether `value` of val/<metric> beats `best`: kl lower, reward higher; NaN never; ties keep the old."""
-    if not math.isfinite(value):
-        return False
-    return best is None or (value < best if metric == "kl" else value > best)
+    return math.isfinite(value) and (best is None or (value < best if metric == "kl" else value > best))
 
 
 def sequence_mean_logp(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -180,10 +172,7 @@ def sequence_mean_logp(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, logp, 0.0).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
 
-# --------------------------------------------------------------------------------------------------
-# Data: scored lines, demo groups, fixed batches
-
-
+# --- Data: scored lines, fixed batches ----------------------------------------------------------------------
 def read_scored(path: str) -> list[dict]:
     """data.read_jsonl's samples, each with valid `completions` and `scores`; errors name file:line."""
     samples = data.read_jsonl(path)
@@ -194,18 +183,13 @@ def read_scored(path: str) -> list[dict]:
         if not isinstance(scores, list):
             raise ValueError(f"{where}: field 'scores' must be a list of numbers")  # noqa: TRY004 (data error)
         for i, x in enumerate(scores):
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise ValueError(f"{where}: scores[{i}] = {x!r} is not a number")  # noqa: TRY004 (data error)
-            if not math.isfinite(x):  # json reads NaN and Infinity
-                raise ValueError(f"{where}: scores[{i}] = {x!r} is not finite")
-        if len(completions) != len(scores):
-            raise ValueError(
-                f"{where}: {len(completions)} completions but {len(scores)} scores (must be equal)"
-            )
-        if len(completions) < 2:
-            raise ValueError(
-                f"{where}: a group needs G >= 2 completions for a baseline, got {len(completions)}"
-            )
+            number = isinstance(x, (int, float)) and not isinstance(x, bool)
+            if not number or not math.isfinite(x):  # json reads NaN and Infinity
+                raise ValueError(f"{where}: scores[{i}] = {x!r} is not {'finite' if number else 'a number'}")
+        if (G := len(completions)) != len(scores):
+            raise ValueError(f"{where}: {G} completions but {len(scores)} scores (must be equal)")
+        if G < 2:
+            raise ValueError(f"{where}: a group needs G >= 2 completions for a baseline, got {G}")
     return samples
 
 
@@ -220,46 +204,7 @@ def split_validation(samples: list[dict], fraction: float, seed: int) -> tuple[l
     return [s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)]
 
 
-def demo_group(sample: dict, rng: random.Random) -> tuple[list[str], list[float]]:
-    """G = 4 scored candidates for an inspection sample, shuffled: right 1.0, wrong verdict 0.0, broken format
-    with the right verdict 0.1-0.2, neither 0.0-0.1."""
-    label, reason = sample["label"], sample["answer"].split("\n", 1)[1]
-    other = "通过" if label == "不通过" else "不通过"
-    wrong_reason = (
-        "理由: 无缺陷" if other == "通过" else f"理由: 图片{rng.randint(1, len(sample['images']))}有缺陷"
-    )
-    candidates = [
-        (sample["answer"], 1.0),
-        (f"{other}\n{wrong_reason}", 0.0),
-        (rng.choice([label, f"{label} {reason}", f"{reason}\n{label}"]), round(rng.uniform(0.1, 0.2), 3)),
-        (rng.choice([other, reason, "理由:"]), round(rng.uniform(0.0, 0.1), 3)),
-    ]
-    rng.shuffle(candidates)
-    return [c for c, _ in candidates], [s for _, s in candidates]
-
-
-def write_demo(directory: Path, n: int, seed: int) -> tuple[Path, Path]:
-    """Write train.jsonl (n prompts) and val.jsonl (n // 4, held-out split) with PNG images; return both."""
-    rng = random.Random(seed)
-    (directory / "images").mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", n), ("val", max(n // 4, 1))):
-        lines = []
-        for sample in tasks.make_task(
-            "inspection", count, split="test" if split == "val" else "train", seed=seed
-        ):
-            images = [f"images/{split}-{sample['id']}-{k}.png" for k in range(len(sample["images"]))]
-            for image, name in zip(sample["images"], images):
-                image.save(directory / name)
-            completions, scores = demo_group(sample, rng)
-            row = {"id": sample["id"], "images": images, "prompt": sample["prompt"], "label": sample["label"]}
-            lines.append(
-                json.dumps({**row, "completions": completions, "scores": scores}, ensure_ascii=False)
-            )
-        (directory / f"{split}.jsonl").write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return directory / "train.jsonl", directory / "val.jsonl"
-
-
-@dataclass
+@dataclasses.dataclass
 class ScoredBatch:
     """B prompts with G completions each, as N = B*G rows grouped contiguously; tensors live on the CPU."""
 
@@ -273,141 +218,96 @@ class ScoredBatch:
     old_logp: torch.Tensor | None = None  # (N, T) policy at the start of the GRPO phase, frozen
 
 
-def tokenize_completion(text: str, tokenizer, sample: dict, max_completion_length: int) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if tokenizer.eos_token_id in ids[:-1]:  # the mask would end there and drop the rest silently
-        raise ValueError(
-            f"{data.location(sample)}: a completion contains the EOS token {tokenizer.eos_token!r}"
-        )
-    if len(ids) > max_completion_length:
-        raise ValueError(
-            f"{data.location(sample)}: a completion is {len(ids)} tokens (EOS included), more than "
-            f"max_completion_length={max_completion_length}; raise the limit (it is never truncated)"
-        )
-    return ids
-
-
-def make_batches(
-    samples: list[dict],
-    tokenizer,
-    *,
-    batch_size: int,
-    max_completion_length: int,
-    adv_clip: float | None,
-    adv_scale: grpo.AdvantageScale = "group",
-    adv_baseline: grpo.AdvantageBaseline = "group",
-) -> list[ScoredBatch]:
-    """Fixed batches of up to batch_size prompts with equal G (prompts bucketed by G, file order kept)."""
-    by_g: dict[int, list[dict]] = {}
+def make_batches(samples: list[dict], tokenizer, args: Args) -> list[ScoredBatch]:
+    """Fixed batches of up to --batch-size prompts with equal G (prompts bucketed by G, file order kept). A
+    completion that holds the EOS text or is longer than --max-completion-length raises naming its line."""
+    eos, limit, by_g = tokenizer.eos_token_id, args.max_completion_length, {}
     for s in samples:
-        by_g.setdefault(len(s["completions"]), []).append(s)
-    batches = []
-    for G, bucket in sorted(by_g.items()):
-        for chunk in (bucket[i : i + batch_size] for i in range(0, len(bucket), batch_size)):
-            rows = [
-                tokenize_completion(t, tokenizer, s, max_completion_length)
-                for s in chunk
-                for t in s["completions"]
-            ]
-            T = max(len(r) for r in rows)
-            ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])  # (N, T)
-            mask = torch.arange(T)[None, :] < torch.tensor([len(r) for r in rows])[:, None]  # (N, T)
-            scores = torch.tensor([x for s in chunk for x in s["scores"]], dtype=torch.float32)  # (N,)
-            adv = grpo.group_advantages(scores, G, scale=adv_scale, clip=adv_clip, baseline=adv_baseline)
-            batches.append(ScoredBatch(chunk, G, ids, mask, scores, adv))
+        where = data.location(s)
+        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [eos] for t in s["completions"]]
+        for ids in rows:
+            if eos in ids[:-1]:  # the mask would end there and drop the rest silently
+                raise ValueError(f"{where}: a completion contains the EOS token {tokenizer.eos_token!r}")
+            if len(ids) > limit:
+                raise ValueError(
+                    f"{where}: a completion is {len(ids)} tokens (EOS included), more than "
+                    f"max_completion_length={limit}; raise the limit (it is never truncated)"
+                )
+        by_g.setdefault(len(rows), []).append((s, rows))
+    B, a, batches = args.batch_size, args.adv, []
+    chunks = [(G, bucket[i : i + B]) for G, bucket in sorted(by_g.items()) for i in range(0, len(bucket), B)]
+    for G, chunk in chunks:
+        rows = [ids for _, sample_rows in chunk for ids in sample_rows]
+        T = max(len(r) for r in rows)
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])  # (N, T)
+        mask = torch.arange(T)[None, :] < torch.tensor([len(r) for r in rows])[:, None]  # (N, T)
+        scores = torch.tensor([x for s, _ in chunk for x in s["scores"]], dtype=torch.float32)  # (N,)
+        adv = grpo.group_advantages(scores, G, scale=a.adv_scale, clip=a.adv_clip, baseline=a.adv_baseline)
+        batches.append(ScoredBatch([s for s, _ in chunk], G, ids, mask, scores, adv))
     return batches
 
 
-def batch_inputs(batch: ScoredBatch, *, tokenizer, image_processor, device, max_prompt_length: int) -> dict:
-    """Model inputs of the N rows: prompt b repeated G times (rows b*G .. b*G+G-1), images included."""
-    prompts = data.prepare_prompts(
-        batch.samples, tokenizer, image_processor, device=device, max_prompt_length=max_prompt_length
-    )
-    return data.repeat_rows(prompts, batch.group_size).inputs
-
-
-# --------------------------------------------------------------------------------------------------
-# Passes over the batches
-
-
-def logprobs(model, b: ScoredBatch, inputs_of, return_entropy: bool = False):
-    """logp [and entropy] (N, T) of the batch's completions under `model`, temperature 1."""
-    ids = b.completion_ids.to(next(model.parameters()).device)
-    return grpo.completion_logprobs(model, inputs_of(b), ids, temperature=1.0, return_entropy=return_entropy)
-
-
+# --- Passes over the batches --------------------------------------------------------------------------------
 @torch.no_grad()
-def frozen_logprobs(model, batches: list[ScoredBatch], inputs_of, *, adapters: bool) -> list[torch.Tensor]:
-    """(N, T) log-probs of every batch, fp32 on the CPU; adapters=False: the reference policy's."""
+def with_logprobs(model, batches: list[ScoredBatch], logprobs_of, field: str, *, adapters: bool) -> list:
+    """The batches with `field` (ref_logp, old_logp) set to frozen log-probs (N, T), fp32 on the CPU."""
     model.eval()
     with contextlib.nullcontext() if adapters else lora.adapters_disabled(model):
-        return [logprobs(model, b, inputs_of)[0].float().cpu() for b in batches]
+        return [dataclasses.replace(b, **{field: logprobs_of(b)[0].float().cpu()}) for b in batches]
 
 
-def with_logprobs(model, batches: list[ScoredBatch], inputs_of, field: str, *, adapters: bool) -> list:
-    """The batches with `field` (ref_logp or old_logp) set to frozen log-probs of the current model."""
-    logps = frozen_logprobs(model, batches, inputs_of, adapters=adapters)
-    return [dataclasses.replace(b, **{field: lp}) for b, lp in zip(batches, logps)]
-
-
-def optimizer_step(loss: torch.Tensor, optimizer, params, max_grad_norm: float) -> float:
-    if not torch.isfinite(loss):  # NOTE: stepping on a NaN loss would poison the adapter for good
-        raise FloatingPointError(f"non-finite loss {loss.item()}")
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    optimizer.step()
-    return grad_norm.item()
-
-
-def rce_epoch(model, batches, order, inputs_of, optimizer, *, tau: float, max_grad_norm: float) -> dict:
-    """One epoch of reward-weighted cross-entropy; returns the mean loss (at this tau) and grad norm."""
-    model.train()  # LoRA dropout, if any
-    params, losses, norms = lora.lora_parameters(model), [], []
-    for b in (batches[i] for i in order):
-        logp, _ = logprobs(model, b, inputs_of)
-        nll = -sequence_mean_logp(logp, b.mask.to(logp.device))  # (N,) CE_i: mean token NLL, EOS included
-        loss = rce_loss(nll.view(-1, b.group_size), b.scores.to(logp.device).view(-1, b.group_size), tau)
-        norms.append(optimizer_step(loss, optimizer, params, max_grad_norm))
-        losses.append(loss.item())
-    model.eval()
-    return {"rce_loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms)}
-
-
-def grpo_epoch(model, batches, order, inputs_of, optimizer, scheduler, *, top_k, args: Args, max_len) -> dict:
-    """One epoch of GRPO steps against the frozen old_logp / ref_logp; the mean statistics and the first
+def train_epoch(model, batches, logprobs_of, optimizer, scheduler, args: Args, epoch: int) -> dict:
+    """Epoch `epoch` (1-based, batches in a seeded order): RCE, or GRPO against the frozen old_logp / ref_logp
+    with each group's top_k rows in the loss. Its record: the schedule, mean statistics and for GRPO the first
     step's max |log ratio| (0 to rounding when old_logp was taken just before)."""
-    model.train()
-    params, records, quantile = lora.lora_parameters(model), [], args.loss.top_entropy_quantile
-    for b in (batches[i] for i in order):
-        logp, entropy = logprobs(model, b, inputs_of, return_entropy=quantile < 1)
-        rows = curriculum_mask(b.scores, b.group_size, top_k)  # (N,) adv stays the full group's
-        mask = (b.mask & rows[:, None]).to(logp.device)  # (N, T)
-        token_mask = grpo.high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None
-        old_logp = b.old_logp.to(logp.device)
-        ref_logp = None if b.ref_logp is None else b.ref_logp.to(logp.device)
-        # num_rows: "grpo" averages over the rows in the loss; dr_grpo divides by the longest completion.
-        totals = grpo.BatchTotals(int(rows.sum()), mask.sum().clamp(min=1), max_completion_length=max_len)
-        adv = b.adv.to(logp.device)
-        loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, adv, mask, args.loss, token_mask=token_mask, totals=totals
-        )
-        stats["log_ratio_absmax"] = torch.where(mask, logp.detach() - old_logp, 0.0).abs().max().item()
-        stats["frac_rows_in_loss"] = rows.float().mean().item()  # < 1 while the curriculum is on
-        stats.update(loss=loss.item(), grad_norm=optimizer_step(loss, optimizer, params, args.max_grad_norm))
-        scheduler.step()
-        records.append(stats)
+    t0, record = time.time(), epoch_schedule(epoch, args)
+    tau, top_k, record["lr"] = record.get("tau"), record.get("top_k"), optimizer.param_groups[0]["lr"]
+    shuffle = torch.Generator().manual_seed(args.seed * 100_003 + epoch - 1)  # the batch order
+    params, steps, quantile = lora.lora_parameters(model), [], args.loss.top_entropy_quantile
+    max_len = max(b.completion_ids.shape[1] for b in batches)  # dr_grpo's constant normaliser
+    model.train()  # LoRA dropout, if any
+    for b in (batches[i] for i in torch.randperm(len(batches), generator=shuffle).tolist()):
+        logp, entropy = logprobs_of(b, return_entropy=tau is None and quantile < 1)
+        if tau is not None:  # CE_i: the mean token NLL, EOS included
+            nll = -sequence_mean_logp(logp, b.mask.to(logp.device)).view(-1, b.group_size)  # (B, G)
+            loss, stats = rce_loss(nll, b.scores.to(logp.device).view(-1, b.group_size), tau), {}
+        else:
+            rows = curriculum_mask(b.scores, b.group_size, top_k)  # (N,) adv stays the full group's
+            mask = (b.mask & rows[:, None]).to(logp.device)  # (N, T)
+            token_mask = grpo.high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None
+            old_logp, adv = b.old_logp.to(logp.device), b.adv.to(logp.device)
+            ref_logp = None if b.ref_logp is None else b.ref_logp.to(logp.device)
+            # num_rows: "grpo" averages over the rows in the loss; dr_grpo divides by the longest completion.
+            totals = grpo.BatchTotals(int(rows.sum()), mask.sum().clamp(min=1), max_completion_length=max_len)
+            loss, stats = grpo.grpo_loss(
+                logp, old_logp, ref_logp, adv, mask, args.loss, token_mask=token_mask, totals=totals
+            )
+            stats["log_ratio_absmax"] = torch.where(mask, logp.detach() - old_logp, 0.0).abs().max().item()
+            stats["frac_rows_in_loss"] = rows.float().mean().item()  # < 1 while the curriculum is on
+        stats["rce_loss" if tau is not None else "loss"] = loss.item()
+        if not torch.isfinite(loss):  # NOTE: stepping on a NaN loss would poison the adapter for good
+            raise FloatingPointError(f"non-finite loss {loss.item()}")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        steps.append(stats)
     model.eval()
-    means = {k: sum(r[k] for r in records) / len(records) for k in records[0]}
-    return {**means, "log_ratio_absmax/first_step": records[0]["log_ratio_absmax"]}
+    record.update({k: sum(s[k] for s in steps) / len(steps) for k in steps[0]})
+    if tau is None:
+        record["log_ratio_absmax/first_step"] = steps[0]["log_ratio_absmax"]
+    return {**record, "time": time.time() - t0}
 
 
 @torch.no_grad()
-def validate(model, batches: list[ScoredBatch], inputs_of) -> dict:
+def validate(model, batches: list[ScoredBatch], logprobs_of) -> dict:
     """val/kl, val/reward and val/margin of the current policy (definitions in the module docstring)."""
     kl_sum, tokens, reward, margin, groups = 0.0, 0, 0.0, 0.0, 0
-    for b, logp in zip(batches, frozen_logprobs(model, batches, inputs_of, adapters=True)):
-        G = b.group_size
+    model.eval()
+    for b in batches:
+        G, logp = b.group_size, logprobs_of(b)[0].float().cpu()  # (N, T)
         kl = grpo.kl_k3(torch.where(b.mask, logp, 0.0), torch.where(b.mask, b.ref_logp, 0.0))  # (N, T)
         kl_sum, tokens = kl_sum + kl[b.mask].sum().item(), tokens + int(b.mask.sum())
         mean_logp, scores = sequence_mean_logp(logp, b.mask).view(-1, G), b.scores.view(-1, G)  # (B, G)
@@ -418,33 +318,23 @@ def validate(model, batches: list[ScoredBatch], inputs_of) -> dict:
     return {"val/kl": kl_sum / tokens, "val/reward": reward / groups, "val/margin": margin / groups}
 
 
-# --------------------------------------------------------------------------------------------------
-# Set-up, epochs' end, main
-
-
-def check_args(args: Args) -> None:
-    """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
-    each settings group checks its own, then this script's flags."""
+# --- Set-up, epochs' end, main ------------------------------------------------------------------------------
+def check_args(a: Args) -> None:
+    """Each settings group's checks, then every flag's range and file: a cli.UsageError before any write."""
     with cli.user_errors():
-        for group in (args.adv, args.loss, args.lora):
+        for group in (a.adv, a.loss, a.lora):
             group.check()
-    a = args
     either = a.demo != (a.data is not None) and not (a.demo and a.val_data)
     cli.check(either, "--data", "pass either --data FILE [--val-data FILE] or --demo")
     for flag, path in (("--data", a.data), ("--val-data", a.val_data)):
         cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
     split = a.data is None or a.val_data is not None or 0 < a.val_fraction < 1
     cli.check(split, "--val-fraction", f"must be in (0, 1), got {a.val_fraction}")
-    top_k = a.curriculum_top_k
-    cli.check(top_k is None or top_k >= 1, "--curriculum-top-k", f"must be >= 1, got {top_k}")
-
-    for minimum, flags in [
-        (1, ("--demo-size", "--max-prompt-length", "--max-completion-length", "--batch-size", "--keep-last")),
-        (0, ("--rce-epochs", "--grpo-epochs", "--curriculum-epochs", "--warmup-steps", "--weight-decay")),
-    ]:
-        for flag in flags:
-            value = getattr(a, flag[2:].replace("-", "_"))
-            cli.check(value >= minimum, flag, f"must be >= {minimum}, got {value}")
+    ones = "curriculum-top-k demo-size max-prompt-length max-completion-length batch-size keep-last"
+    zeros = "rce-epochs grpo-epochs curriculum-epochs warmup-steps weight-decay"
+    for minimum, flag in [(1, f"--{f}") for f in ones.split()] + [(0, f"--{f}") for f in zeros.split()]:
+        value = getattr(a, flag[2:].replace("-", "_"))
+        cli.check(value is None or value >= minimum, flag, f"must be >= {minimum}, got {value}")
     for flag in ("--tau-start", "--tau-end", "--rce-lr-scale", "--lr", "--max-grad-norm"):
         value = getattr(a, flag[2:].replace("-", "_"))
         cli.check(0 < value < math.inf, flag, f"must be a positive number, got {value}")
@@ -458,12 +348,14 @@ def check_args(args: Args) -> None:
     cli.check(a.overwrite or not (out / "metrics.jsonl").exists(), "--output-dir", held)
 
 
-def load_inputs(args: Args, out: Path, device: torch.device):
-    """The model with LoRA, inputs_of (a batch's prompt inputs) and the (train, validation) batches. Every
-    input is read and checked here: a bad model, line, image or length is a UsageError before any write."""
+def load_inputs(args: Args):
+    """The model with LoRA, logprobs_of (a batch's log-probs under it) and the (train, validation) batches,
+    every input read and checked: a bad model, line, image or length is a UsageError before any write."""
     with cli.user_errors():  # data.py's and read_scored's messages name file:line
+        device = distributed.resolve_device(args.device)
         if args.demo:
-            train, val = (read_scored(p) for p in write_demo(out / "demo", args.demo_size, args.seed))
+            demo = mock_rollouts.write_scored_demo(Path(args.output_dir) / "demo", args.demo_size, args.seed)
+            train, val = (read_scored(p) for p in demo)
         elif args.val_data is not None:
             train, val = read_scored(args.data), read_scored(args.val_data)
         else:
@@ -472,38 +364,28 @@ def load_inputs(args: Args, out: Path, device: torch.device):
         dtype = model_io.resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)  # LoRA's A matrices are drawn from it
     with cli.user_errors("--model: "):
-        model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+        model, tokenizer, processor = model_io.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors("--lora-last-k: "):
         lora.inject_lora(model, args.lora)
-    make = functools.partial(
-        make_batches,
-        tokenizer=tokenizer,
-        batch_size=args.batch_size,
-        max_completion_length=args.max_completion_length,
-        adv_clip=args.adv.adv_clip,
-        adv_scale=args.adv.adv_scale,
-        adv_baseline=args.adv.adv_baseline,
-    )
     with cli.user_errors():  # every image decodes and every prompt and completion fits, before any forward
-        data.check_samples(train + val, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
-        batches, val_batches = make(train), make(val)
+        data.check_samples(train + val, tokenizer, processor, max_prompt_length=args.max_prompt_length)
+        batches, val_batches = make_batches(train, tokenizer, args), make_batches(val, tokenizer, args)
     print(f"{len(train)} training and {len(val)} validation groups; {len(batches)} batches")
-    inputs_of = functools.partial(
-        batch_inputs,
-        tokenizer=tokenizer,
-        image_processor=image_processor,
-        device=device,
-        max_prompt_length=args.max_prompt_length,
-    )
-    return model, inputs_of, batches, val_batches
+
+    def logprobs_of(b: ScoredBatch, return_entropy: bool = False):
+        """logp [and entropy] (N, T) of b's completions at temperature 1; prompt b in rows b*G .. b*G+G-1."""
+        P = args.max_prompt_length
+        prompts = data.prepare_prompts(b.samples, tokenizer, processor, device=device, max_prompt_length=P)
+        inputs, ids = data.repeat_rows(prompts, b.group_size).inputs, b.completion_ids.to(device)
+        return grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=return_entropy)
+
+    return model, logprobs_of, batches, val_batches
 
 
-def end_epoch(
-    model, records: list[dict], optimizer, record: dict, out: Path, args: Args, val_batches, inputs_of
-):
+def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_batches, logprobs_of) -> None:
     """Validate; checkpoint; replace best/ if the --best-by metric beats the best epoch's so far; log."""
-    record.update(validate(model, val_batches, inputs_of))
-    key = f"val/{args.best_by}"
+    out, key = Path(args.output_dir), f"val/{args.best_by}"
+    record.update(validate(model, val_batches, logprobs_of))
     best = next((r[key] for r in reversed(records) if r.get("best")), None)
     record["best"] = is_better(args.best_by, record[key], best)
     state = {"epoch": record["epoch"], "metrics": record, "optimizer": optimizer.state_dict()}
@@ -523,73 +405,46 @@ def end_epoch(
     print(f"epoch {record['epoch']:2d} {record['phase']:4s}  {head}  {vals}{'  best' * record['best']}")
 
 
-def epoch_order(n_batches: int, epoch: int, seed: int) -> list[int]:
-    return torch.randperm(n_batches, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-
-
-def summarise(records: list[dict], seconds: float, out: Path) -> dict:
-    summary = {"epochs": records[-1]["epoch"], "wall_time_s": round(seconds, 1)}
-    best = [r["epoch"] for r in records if r.get("best")]
-    summary.update({"best_epoch": best[-1]} if best else {})
-    summary.update({f"start_{k[4:]}": records[0][k] for k in ("val/reward", "val/margin")})
-    summary.update({f"end_{k[4:]}": records[-1][k] for k in ("val/reward", "val/margin")})
-    print(f"done: {json.dumps(summary)}; best in {out / 'best'}, final adapter in {out / 'adapter'}")
-    return summary
-
-
 def main(args: Args) -> dict:
     """Train; returns the summary. A bad flag, file or line is a cli.UsageError before anything is written."""
     check_args(args)
     t_start, out = time.time(), Path(args.output_dir)
-    with cli.user_errors():
-        device = distributed.resolve_device(args.device)
-    model, inputs_of, batches, val_batches = load_inputs(args, out, device)
+    model, logprobs_of, batches, val_batches = load_inputs(args)
     mode = "replace" if (out / "metrics.jsonl").exists() else "new"  # replace: check_args saw --overwrite
     if mode == "replace":
         shutil.rmtree(out / "best", ignore_errors=True)  # not among model_io's run files
     model_io.open_run_folder(out, mode, uuid.uuid4().hex, 0, dataclasses.asdict(args))
 
     # Reference log-probs (adapters off), once and frozen; with LoRA B = 0 they equal the initial policy's.
-    val_batches = with_logprobs(model, val_batches, inputs_of, "ref_logp", adapters=False)
+    val_batches = with_logprobs(model, val_batches, logprobs_of, "ref_logp", adapters=False)
     if args.loss.beta > 0:
-        batches = with_logprobs(model, batches, inputs_of, "ref_logp", adapters=False)
+        batches = with_logprobs(model, batches, logprobs_of, "ref_logp", adapters=False)
     if args.old_logp_from == "init":
-        batches = with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
-    records = [{"epoch": 0, **validate(model, val_batches, inputs_of)}]
+        batches = with_logprobs(model, batches, logprobs_of, "old_logp", adapters=True)
+    records = [{"epoch": 0, **validate(model, val_batches, logprobs_of)}]
     logs.append_jsonl(out / "metrics.jsonl", records[0])
 
-    # RCE warm-up, epochs 1..E: constant lr * rce_lr_scale, tau annealed.
-    params, lr = lora.lora_parameters(model), args.lr * args.rce_lr_scale
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
-    for e in range(args.rce_epochs):
-        t0, tau = time.time(), tau_schedule(e, args.rce_epochs, args.tau_start, args.tau_end)
-        order = epoch_order(len(batches), e, args.seed)
-        stats = rce_epoch(
-            model, batches, order, inputs_of, optimizer, tau=tau, max_grad_norm=args.max_grad_norm
-        )
-        record = {"epoch": e + 1, "phase": "rce", "tau": tau, "lr": lr, **stats, "time": time.time() - t0}
-        end_epoch(model, records, optimizer, record, out, args, val_batches, inputs_of)
-
-    # GRPO epochs E+1..E+M against the frozen old_logp; a fresh AdamW (the RCE moments fit another loss).
-    if args.old_logp_from == "grpo_start":
-        batches = with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
+    # Epochs 1..E: RCE at a constant lr * rce_lr_scale. Epochs E+1..E+M: GRPO against old_logp frozen where
+    # it starts, with a fresh AdamW (the RCE moments fit another loss), warm-up and cosine decay.
+    params, steps = lora.lora_parameters(model), args.grpo_epochs * len(batches)
+    rce_optimizer = torch.optim.AdamW(params, lr=args.lr * args.rce_lr_scale, weight_decay=args.weight_decay)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    total = args.grpo_epochs * len(batches)
-    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=total)
-    max_len = max(b.completion_ids.shape[1] for b in batches)  # dr_grpo's constant normaliser
-    for g in range(args.grpo_epochs):
-        t0, epoch, lr = time.time(), args.rce_epochs + g + 1, scheduler.get_last_lr()[0]
-        top_k = curriculum_top_k(g, top_k=args.curriculum_top_k, curriculum_epochs=args.curriculum_epochs)
-        order = epoch_order(len(batches), epoch - 1, args.seed)
-        stats = grpo_epoch(
-            model, batches, order, inputs_of, optimizer, scheduler, top_k=top_k, args=args, max_len=max_len
-        )
-        record = {"epoch": epoch, "phase": "grpo", "curriculum": top_k is not None, "top_k": top_k, "lr": lr}
-        record.update(stats, time=time.time() - t0)
-        end_epoch(model, records, optimizer, record, out, args, val_batches, inputs_of)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=steps)
+    for epoch in range(1, args.rce_epochs + args.grpo_epochs + 1):
+        if epoch == args.rce_epochs + 1 and args.old_logp_from == "grpo_start":
+            batches = with_logprobs(model, batches, logprobs_of, "old_logp", adapters=True)
+        opt, sched = (rce_optimizer, None) if epoch <= args.rce_epochs else (optimizer, scheduler)
+        record = train_epoch(model, batches, logprobs_of, opt, sched, args, epoch)
+        end_epoch(model, opt, records, record, args, val_batches, logprobs_of)
     model_io.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
-    return summarise(records, time.time() - t_start, out)
+    summary = {"epochs": records[-1]["epoch"], "wall_time_s": round(time.time() - t_start, 1)}
+    if best := [r["epoch"] for r in records if r.get("best")]:
+        summary["best_epoch"] = best[-1]
+    for when, r in (("start", records[0]), ("end", records[-1])):
+        summary.update({f"{when}_{k}": r[f"val/{k}"] for k in ("reward", "margin")})
+    print(f"done: {json.dumps(summary)}; best in {out / 'best'}, final adapter in {out / 'adapter'}")
+    return summary
 
 
 if __name__ == "__main__":
-    cli.run(main, tyro.cli(Args, config=(tyro.conf.OmitArgPrefixes,)))
+    cli.run(main, tyro.cli(Args))

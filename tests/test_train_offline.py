@@ -17,6 +17,7 @@ import grpo
 import lora
 import model_io
 import rewards
+from scripts import mock_rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import train_offline as offline
@@ -32,7 +33,7 @@ def run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """One end-to-end run: 8 demo groups, validated on the training groups themselves (the tiny model cannot
     generalise the defect detection in a few epochs, but it can learn the groups it trains on)."""
     root = tmp_path_factory.mktemp("offline")
-    train_path, _ = offline.write_demo(root / "demo", 8, seed=0)
+    train_path, _ = mock_rollouts.write_scored_demo(root / "demo", 8, seed=0)
     out = root / "run"
     args = offline.Args(
         data=str(train_path),
@@ -77,8 +78,11 @@ def test_rce_loss_matches_hand_computed_softmax_weighting():
 
 
 def test_tau_schedule_is_linear_from_start_to_end_over_the_rce_epochs():
-    assert [offline.tau_schedule(e, 4, 2.0, 0.5) for e in range(4)] == pytest.approx([2.0, 1.5, 1.0, 0.5])
-    assert offline.tau_schedule(0, 1, 2.0, 0.5) == 2.0  # a single RCE epoch uses tau_start
+    args = offline.Args(rce_epochs=4, tau_start=2.0, tau_end=0.5)
+    taus = [offline.epoch_schedule(e, args)["tau"] for e in range(1, 5)]
+    assert taus == pytest.approx([2.0, 1.5, 1.0, 0.5])
+    single = offline.Args(rce_epochs=1, tau_start=2.0, tau_end=0.5)
+    assert offline.epoch_schedule(1, single)["tau"] == 2.0  # a single RCE epoch uses tau_start
 
 
 def test_curriculum_keeps_the_top_k_of_each_group_and_switches_off_after_its_epochs():
@@ -87,9 +91,9 @@ def test_curriculum_keeps_the_top_k_of_each_group_and_switches_off_after_its_epo
     assert offline.curriculum_mask(scores, 4, 2).tolist() == expected
     assert offline.curriculum_mask(scores, 4, None).all()
     assert offline.curriculum_mask(scores, 4, 4).all()
-    schedule = [offline.curriculum_top_k(g, top_k=2, curriculum_epochs=2) for g in range(4)]
-    assert schedule == [2, 2, None, None]
-    assert offline.curriculum_top_k(0, top_k=None, curriculum_epochs=2) is None
+    args = offline.Args(rce_epochs=1, curriculum_top_k=2, curriculum_epochs=2)  # GRPO epochs are 2..5
+    assert [offline.epoch_schedule(e, args)["top_k"] for e in range(2, 6)] == [2, 2, None, None]
+    assert offline.epoch_schedule(2, offline.Args(rce_epochs=1, curriculum_epochs=2))["top_k"] is None
 
 
 def test_best_checkpoint_selection_picks_lowest_kl_and_highest_reward():
@@ -148,7 +152,7 @@ def test_batches_group_equal_g_and_advantages_are_group_zscores_of_the_scores(to
         {"id": "b", "prompt": "p", "completions": ["通过\n理由: 无缺陷", ""], "scores": [0.2, 0.9]},
         {"id": "c", "prompt": "p", "completions": ["a", "b", "c"], "scores": [3.0, -1.0, 2.0]},
     ]
-    batches = offline.make_batches(samples, tokenizer, batch_size=8, adv_clip=None, max_completion_length=64)
+    batches = offline.make_batches(samples, tokenizer, offline.Args(batch_size=8, max_completion_length=64))
     assert [(b.group_size, [s["id"] for s in b.samples]) for b in batches] == [(2, ["b"]), (3, ["a", "c"])]
     for b in batches:
         assert torch.equal(b.adv, grpo.group_advantages(b.scores, b.group_size))
@@ -157,21 +161,22 @@ def test_batches_group_equal_g_and_advantages_are_group_zscores_of_the_scores(to
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             assert row[: len(ids)].tolist() == ids and int(mask.sum()) == len(ids)  # EOS is in the mask
             assert (row[len(ids) :] == tokenizer.pad_token_id).all()
-    clipped = offline.make_batches(samples, tokenizer, batch_size=8, adv_clip=0.5, max_completion_length=64)
+    clip = offline.Args(batch_size=8, max_completion_length=64, adv=grpo.AdvantageConfig(adv_clip=0.5))
+    clipped = offline.make_batches(samples, tokenizer, clip)
     assert torch.equal(clipped[1].adv, grpo.group_advantages(clipped[1].scores, 3).clamp(-0.5, 0.5))
 
 
 def test_completion_with_eos_text_or_too_long_raises_naming_the_sample(tokenizer):
     bad_eos = {"_where": "f.jsonl:7", "completions": ["a<|im_end|>b", "c"], "scores": [1.0, 0.0]}
     with pytest.raises(ValueError, match="f.jsonl:7: a completion contains the EOS"):
-        offline.make_batches([bad_eos], tokenizer, batch_size=1, adv_clip=None, max_completion_length=64)
+        offline.make_batches([bad_eos], tokenizer, offline.Args(batch_size=1, max_completion_length=64))
     long = {"_where": "f.jsonl:8", "completions": ["通过\n理由: 无缺陷", "c"], "scores": [1.0, 0.0]}
     with pytest.raises(ValueError, match="f.jsonl:8: .*max_completion_length=3"):
-        offline.make_batches([long], tokenizer, batch_size=1, adv_clip=None, max_completion_length=3)
+        offline.make_batches([long], tokenizer, offline.Args(batch_size=1, max_completion_length=3))
 
 
 def test_demo_scores_agree_with_the_label_and_format_rewards(tmp_path):
-    train_path, val_path = offline.write_demo(tmp_path, 12, seed=0)
+    train_path, val_path = mock_rollouts.write_scored_demo(tmp_path, 12, seed=0)
     for sample in offline.read_scored(str(train_path)) + offline.read_scored(str(val_path)):
         assert len(sample["completions"]) == 4
         for text, score in zip(sample["completions"], sample["scores"]):
@@ -185,34 +190,31 @@ def test_demo_scores_agree_with_the_label_and_format_rewards(tmp_path):
 
 
 def test_old_logprobs_are_frozen_across_epochs_and_ratio_is_one_at_the_first_step(tmp_path):
-    model, tokenizer, image_processor = model_io.load_model(
-        model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
+    train_path, _ = mock_rollouts.write_scored_demo(tmp_path, 4, seed=1)
+    args = offline.Args(
+        data=str(train_path),
+        val_data=str(train_path),
+        device="cpu",
+        dtype="float32",
+        batch_size=2,
+        max_completion_length=64,
+        rce_epochs=0,  # every epoch is a GRPO epoch
+        lr=1e-2,
+        loss=grpo.LossConfig(beta=0.04),
+        lora=lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0),
     )
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
-    train_path, _ = offline.write_demo(tmp_path, 4, seed=1)
-    batches = offline.make_batches(
-        offline.read_scored(str(train_path)), tokenizer, batch_size=2, adv_clip=None, max_completion_length=64
-    )
-
-    def inputs_of(b):
-        return offline.batch_inputs(
-            b, tokenizer=tokenizer, image_processor=image_processor, device="cpu", max_prompt_length=4096
-        )
-
-    batches = offline.with_logprobs(model, batches, inputs_of, "ref_logp", adapters=False)
-    batches = offline.with_logprobs(model, batches, inputs_of, "old_logp", adapters=True)
+    model, logprobs_of, batches, _ = offline.load_inputs(args)
+    batches = offline.with_logprobs(model, batches, logprobs_of, "ref_logp", adapters=False)
+    batches = offline.with_logprobs(model, batches, logprobs_of, "old_logp", adapters=True)
     # LoRA B = 0: at the start the policy is the reference, exactly.
     assert all(torch.equal(b.old_logp, b.ref_logp) for b in batches)
     frozen = [b.old_logp.clone() for b in batches]
-    args = offline.Args(lr=1e-2, loss=grpo.LossConfig(beta=0.04))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     first_steps = []
-    for epoch in range(2):
-        stats = offline.grpo_epoch(
-            model, batches, [0, 1], inputs_of, optimizer, scheduler, top_k=None, args=args, max_len=16
-        )
-        first_steps.append(stats["log_ratio_absmax/first_step"])
+    for epoch in (1, 2):
+        record = offline.train_epoch(model, batches, logprobs_of, optimizer, scheduler, args, epoch)
+        first_steps.append(record["log_ratio_absmax/first_step"])
         assert all(torch.equal(b.old_logp, f) for b, f in zip(batches, frozen)), f"old_logp moved in {epoch=}"
     assert first_steps[0] < 1e-6  # ratio == 1 at the first GRPO step
     assert first_steps[1] > 1e-3  # the policy moved; old_logp did not
