@@ -329,8 +329,7 @@ def completion_mask(
 def logprobs_from_logits(
     logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp [and entropy] (N, T) of the tokens from shifted logits (N, T, V); temperature 0 counts as 1.
-    The reference: it holds (N, T, V) fp32 copies (speedups.py's row-by-row version holds one row's)."""
+    """logp [and entropy] (N, T) of shifted logits (N, T, V), temperature 0 as 1; holds (N, T, V) in fp32."""
     temperature = temperature if temperature > 0 else 1.0
     # fp32, divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, 6% in the ratio.
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
