@@ -2,7 +2,8 @@
 
 Torch and the standard library only: copy it alone. Papers: GRPO from DeepSeekMath (Shao et al. 2024), on
 PPO (Schulman et al. 2017); clip-higher and the token-level normaliser from DAPO (Yu et al. 2025); Dr. GRPO
-(Liu et al. 2025); the k3 KL estimator from Schulman's "Approximating KL Divergence" (2020).
+(Liu et al. 2025); the k3 KL estimator from Schulman's "Approximating KL Divergence" (2020); the RLOO
+(Ahmadian et al. 2024) and REINFORCE++ (Hu 2025) baselines.
 
 Letters in shape comments: B prompts, G completions per prompt (the group), N = B * G rows, P prompt length
 (left-padded), T completion length, V vocabulary. Rows [g*G, (g+1)*G) are prompt g's group.
@@ -90,9 +91,8 @@ def group_advantages(
     clip: float | None = None,
     baseline: str = "group",
 ) -> torch.Tensor:
-    """Advantages (N,) = (r - baseline) / (std + eps), clipped to [-clip, clip] if given. baseline: the
-    group's mean (GRPO); "rloo" the other G - 1's mean (RLOO, Ahmadian et al. 2024); "batch" the mean of all N
-    (REINFORCE++, Hu 2025). NOTE: a zero-variance group gets exactly 0, never NaN, with a group baseline."""
+    """Advantages (N,) = (r - baseline) / (std + eps), clipped to [-clip, clip] if given (`AdvantageConfig`
+    lists the choices). NOTE: a zero-variance group gets exactly 0, never NaN, with a group baseline."""
     if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"need rewards (N,), N divisible by group_size >= 2: {group_size=}, {rewards.shape}")
     scales, baselines = get_args(AdvantageScale), get_args(AdvantageBaseline)
@@ -102,18 +102,15 @@ def group_advantages(
         raise ValueError("rewards must be finite")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
     grouped = rewards.view(-1, group_size)  # (B, G)
-    if baseline == "batch":
-        centered = grouped - rewards.mean()  # (B, G)
-    else:
-        centered = grouped - grouped.mean(dim=1, keepdim=True)  # (B, G)
-        # The mean of equal floats need not round back to them exactly; force the zero the math promises.
+    mean = rewards.mean() if baseline == "batch" else grouped.mean(dim=1, keepdim=True)  # () or (B, 1)
+    centered = grouped - mean  # (B, G)
+    if baseline != "batch":  # the mean of equal floats need not round back to them: force the promised 0
         centered = torch.where(_zero_std_groups(rewards, group_size)[:, None], 0.0, centered)
-        if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
-            centered = centered * (group_size / (group_size - 1))
-    if scale == "group":
-        centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # (B, G) / (B, 1)
-    elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
+    if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
+        centered = centered * (group_size / (group_size - 1))
+    if scale != "none":
+        std = grouped.std(dim=1, keepdim=True) if scale == "group" else rewards.std()  # (B, 1) or ()
+        centered = centered / (std + eps)  # (B, G)
     adv = centered.reshape(-1)  # (N,) back to row order
     return adv if clip is None else adv.clamp(-clip, clip)
 
@@ -140,14 +137,12 @@ def advantages(
 ) -> torch.Tensor:
     """Advantages (N,): `group_advantages` of rewards (N,), or (GDPO) of `normalized_reward_sum` of components
     (N, K) and weights (K,) over the batch. NOTE: GDPO ignores adv_scale and adv_baseline, not adv_clip."""
-    if config.multi_objective_aggregation == "sum_then_normalize":
-        return group_advantages(
-            rewards, group_size, scale=config.adv_scale, clip=config.adv_clip, baseline=config.adv_baseline
-        )
-    if components is None or weights is None:
-        raise ValueError("normalize_then_sum needs components (N, K) and weights (K,)")
-    summed = normalized_reward_sum(components, weights, group_size)  # (N,)
-    return group_advantages(summed, group_size, scale="batch", clip=config.adv_clip, baseline="batch")
+    scale, baseline = config.adv_scale, config.adv_baseline
+    if config.multi_objective_aggregation != "sum_then_normalize":
+        if components is None or weights is None:
+            raise ValueError("normalize_then_sum needs components (N, K) and weights (K,)")
+        rewards, scale, baseline = normalized_reward_sum(components, weights, group_size), "batch", "batch"
+    return group_advantages(rewards, group_size, scale=scale, clip=config.adv_clip, baseline=baseline)
 
 
 @dataclass
@@ -221,14 +216,12 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def aggregate(
     per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, totals: BatchTotals | None = None
 ) -> torch.Tensor:
-    """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it.
+    """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it:
 
-        "grpo"    (1 / num_rows) * sum_i (sum_t m_it x_it) / L_i       mean per sequence, then over sequences
-        "bnpo"    sum_it m_it x_it / num_tokens                         mean over this process's tokens
-        "dapo"    sum_it m_it x_it / num_tokens                         mean over the global batch's tokens
-        "dr_grpo" sum_it m_it x_it / (num_rows * max_completion_length) a constant: no length bias
-    sapo reduces like grpo, cispo like dapo (as TRL). `totals`: the whole batch's counts when the caller
-    splits it (micro-batches, ranks), so the parts sum; dr_grpo needs it."""
+        grpo, sapo         (1 / num_rows) * sum_i (sum_t m_it x_it) / L_i        per sequence, then over them
+        bnpo, dapo, cispo  sum_it m_it x_it / num_tokens                          this process's / the batch's
+        dr_grpo            sum_it m_it x_it / (num_rows * max_completion_length)  a constant: no length bias
+    sapo and cispo as TRL. `totals`: the whole batch's counts when the rows are split, so the parts sum."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     mask = mask.bool()
@@ -241,8 +234,7 @@ def aggregate(
         if totals is None or totals.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (the sampler's max_new_tokens)")
         return per_token.sum() / (num_rows * totals.max_completion_length)
-    num_tokens = mask.sum().clamp(min=1) if totals is None else totals.num_tokens
-    return per_token.sum() / num_tokens
+    return per_token.sum() / (mask.sum().clamp(min=1) if totals is None else totals.num_tokens)  # num_tokens
 
 
 def policy_term(
@@ -257,19 +249,16 @@ def policy_term(
         SAPO (Qwen, 2025)             -sigmoid(tau (r - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg
     """
     if config.loss_type == "cispo":
-        # A clipped token keeps its (scaled) gradient, where PPO's clip drops it. NOTE: TRL's epsilon_high is
-        # the bound itself (5.0 recommended); ours is 1 + clip_eps_high, so TRL's 5.0 is clip_eps_high = 4.0.
+        # NOTE: TRL's epsilon_high is the bound (5.0 advised), ours 1 + clip_eps_high: TRL's 5.0 is our 4.0.
         return -torch.clamp(ratio, max=1 + config.clip_eps_high).detach() * adv * logp
-    if config.loss_type == "sapo":
-        # A smooth gate in place of the hard clip; steeper (smaller trust region) for negative advantages.
+    if config.loss_type == "sapo":  # a smooth gate, not a hard clip, steeper (smaller trust region) for A < 0
         tau_pos = adv.new_tensor(config.sapo_temperature_pos)
         tau = torch.where(adv > 0, tau_pos, adv.new_tensor(config.sapo_temperature_neg))
         return -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     clipped_ratio = torch.clamp(ratio, 1 - config.clip_eps_low, 1 + config.clip_eps_high)
     if config.delta is not None:  # NOTE: for A < 0 the plain min keeps r unbounded above; delta caps it
         ratio = torch.clamp(ratio, max=config.delta)
-    # The pessimistic bound: the clip only takes effect when it lowers the objective (PPO).
-    return -torch.minimum(ratio * adv, clipped_ratio * adv)
+    return -torch.minimum(ratio * adv, clipped_ratio * adv)  # pessimistic: clipped only where that lowers r A
 
 
 def high_entropy_mask(
@@ -292,37 +281,31 @@ def grpo_loss(
     token_mask: torch.Tensor | None = None,
     totals: BatchTotals | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss (scalar) from logp/old_logp/ref_logp/mask (N, T) and adv (N,), and stats (token means): kl,
-    ratio_mean, clip_frac_low/high (ratio past the clip, adv < 0 / > 0). token_mask: `high_entropy_mask`'s."""
+    """The loss (scalar) and token-mean stats from logp/old_logp/ref_logp/mask/token_mask (N, T), adv (N,)."""
     if config.beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
     if config.importance_sampling_level not in get_args(ImportanceSamplingLevel):
         raise ValueError(f"importance_sampling_level must be one of {get_args(ImportanceSamplingLevel)}")
     mask = mask.bool()
     adv = adv.to(logp.dtype)[:, None]  # (N, 1) one advantage per sequence, shared by its tokens
-    # Mask BEFORE exp: a huge masked log-ratio gives exp = inf, and where's zero gradient times inf is NaN.
+    # Mask BEFORE exp, here and in k3: a huge masked log-ratio gives inf, and where's 0 gradient * inf is NaN.
     log_ratio = torch.where(mask, logp - old_logp, 0.0)  # (N, T)
     if config.importance_sampling_level == "sequence":  # one ratio per row, length-normalised (GSPO)
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # (N, 1)
     ratio = torch.exp(log_ratio)  # (N, T) or (N, 1)
     per_token = policy_term(ratio, adv, logp, config).expand(mask.shape)  # (N, T) from (N, T) or (N, 1)
-    if token_mask is not None:
-        per_token = torch.where(token_mask, per_token, 0.0)
-    # kl (N, T), masked before exp too: both sides 0 give k3 = 0 with zero gradient.
+    per_token = per_token if token_mask is None else torch.where(token_mask, per_token, 0.0)
     kl = None if ref_logp is None else kl_k3(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0))
     if kl is not None and config.use_bias_correction_kl:  # DeepSeek-V3.2
         kl = kl * ratio
     if config.beta > 0:  # ref_logp is given (checked above)
         per_token = per_token + config.beta * kl
     loss = aggregate(per_token, mask, config.loss_type, totals)
-    with torch.no_grad():
-        ratio = ratio.expand(mask.shape)  # (N, T)
-        values = {
-            "clip_frac_low": ((ratio < 1 - config.clip_eps_low) & (adv < 0)).float(),
-            "clip_frac_high": ((ratio > 1 + config.clip_eps_high) & (adv > 0)).float(),
-            "ratio_mean": ratio,
-            **({"kl": kl} if kl is not None else {}),
-        }
+    with torch.no_grad():  # a (N, 1) ratio broadcasts over the mask's T
+        low = ((ratio < 1 - config.clip_eps_low) & (adv < 0)).float()  # the tokens whose clip binds
+        high = ((ratio > 1 + config.clip_eps_high) & (adv > 0)).float()
+        values = {"clip_frac_low": low, "clip_frac_high": high, "ratio_mean": ratio, "kl": kl}
+        values = {key: v for key, v in values.items() if v is not None}  # no kl without ref_logp
         n = mask.sum().clamp(min=1)
         means = torch.stack([torch.where(mask, v, 0).sum() / n for v in values.values()])
     return loss, dict(zip(values, means.tolist()))  # one device sync for all the stats
@@ -331,9 +314,8 @@ def grpo_loss(
 def completion_mask(
     completion_ids: torch.Tensor, eos_token_id: int | Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss mask (N, T) and `truncated` (N,), from lengths, never token values: a row runs through its first
-    EOS (one id or several: <|im_end|>, <|endoftext|>), the rest is padding whatever its value (pad == eos is
-    safe); a row without EOS was cut at max_new_tokens (all T count). An EOS-first row is a decision too."""
+    """Loss mask (N, T) and `truncated` (N,), from lengths, never token values (pad == eos is safe): a row
+    runs through its first EOS (one id or several; EOS-first rows too), else all T (cut at max_new_tokens)."""
     T = completion_ids.shape[1]
     is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))  # (N, T)
     truncated = ~is_eos.any(dim=1)  # (N,)
@@ -347,8 +329,7 @@ def completion_mask(
 def logprobs_from_logits(
     logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp [and entropy] (N, T) of the tokens from shifted logits (N, T, V); temperature 0 counts as 1.
-    The reference: it holds (N, T, V) fp32 copies (speedups.py's row-by-row version holds one row's)."""
+    """logp [and entropy] (N, T) of shifted logits (N, T, V), temperature 0 as 1; holds (N, T, V) in fp32."""
     temperature = temperature if temperature > 0 else 1.0
     # fp32, divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, 6% in the ratio.
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)  # (N, T, V)
@@ -365,8 +346,7 @@ def check_inputs(inputs: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"unexpected prompt inputs {sorted(inputs)}; expected a subset of {INPUT_KEYS}")
     if not bool(inputs["attention_mask"][:, -1].all()):  # NOTE: right padding: generate only warns
         raise ValueError("prompts must be LEFT-padded: attention_mask[:, -1] must be 1 on every row")
-    # NOTE: without mm_token_type_ids, transformers 5 silently falls back to 1D positions for Qwen-VL.
-    if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:
+    if "image_grid_thw" in inputs and "mm_token_type_ids" not in inputs:  # NOTE: else a silent 1D fallback
         raise ValueError("image inputs need mm_token_type_ids to build Qwen-VL's 3D mRoPE positions")
     if ("pixel_values" in inputs) != ("image_grid_thw" in inputs):
         raise ValueError("pixel_values and image_grid_thw must be given together")
@@ -386,9 +366,7 @@ def recompute_inputs(
         kwargs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
     if "image_grid_thw" in inputs:  # 3D mRoPE positions come from mm_token_type_ids + attention_mask
         kwargs.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
-    else:
-        # NOTE: generate numbers each row from its first real token (cumsum of the mask), not arange(P + T);
-        # with left padding the two differ, which RoPE absorbs only to rounding.
+    else:  # NOTE: numbered from each row's first real token, as generate does; arange agrees only to rounding
         kwargs["position_ids"] = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)  # (N, P + T)
     return kwargs
 
@@ -401,12 +379,10 @@ def completion_logprobs(
     temperature: float,
     return_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass: the
-    same ids, pixels and grids as generation, softmax(logits / temperature) over the full vocabulary."""
+    """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass."""
     T = completion_ids.shape[1]
     out = model(**recompute_inputs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
-    # Off-by-one: the logit at position j predicts token j + 1. Position P - 1 (last prompt token) predicts
-    # completion token 0; the last position predicts a token past the end and is dropped.
+    # Off-by-one: logit j predicts token j + 1, so P - 1 predicts completion token 0; the last one is dropped.
     logits = out.logits[:, :-1]  # (N, T, V) positions P - 1 .. P + T - 2
     return logprobs_from_logits(
         logits, completion_ids, temperature=temperature, return_entropy=return_entropy
@@ -469,23 +445,19 @@ def sample_completions(
     return_logprobs: bool = False,
     num_return_sequences: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Completion ids (N, T) [and log-probs, for tests] from one `model.generate` call on LEFT-padded prompts,
-    each num_return_sequences = G times (`repeat_interleave` order); temperature 0 is greedy, top_k is off."""
+    """Completion ids (N, T) [and log-probs, for tests] of num_return_sequences = G samples of each prompt."""
     check_inputs(inputs)
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
-    sample = temperature > 0
+    greedy = dict(do_sample=False, temperature=None, top_p=None)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else greedy
+    ends = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     out = model.generate(
         **inputs,
         **NO_OTHER_PROCESSORS,
-        max_new_tokens=max_new_tokens,
-        do_sample=sample,
-        temperature=temperature if sample else None,
-        top_p=top_p if sample else None,
+        **ends,  # eos given: else the checkpoint's own list, which completion_mask would not know
+        **sampling,
         suppress_tokens=list(suppress_token_ids) or None,
         num_return_sequences=num_return_sequences,
-        # Given explicitly: the checkpoint's own list would otherwise be used, and completion_mask must agree.
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
         use_cache=True,
         return_dict_in_generate=True,
         output_logits=return_logprobs,
@@ -506,8 +478,7 @@ def rollout_metrics(
     correct: torch.Tensor | None,
     group_size: int,
 ) -> dict[str, float]:
-    """Scalars about one rollout (tensors per row (N,), mask (N, T)); population stds, so N = 1 gives 0.
-    completion_length/correct (/incorrect) is left out when no row is correct (incorrect)."""
+    """Scalars about one rollout (tensors per row (N,), mask (N, T)); population stds, so N = 1 gives 0."""
     lengths = mask.sum(dim=1).float()  # (N,)
     metrics = {}
     for name, values in {"reward": rewards, **{f"reward/{k}": v for k, v in components.items()}}.items():
@@ -520,7 +491,7 @@ def rollout_metrics(
         correct = correct.bool()
         metrics["frac_correct"] = correct.float().mean()
         for key, rows in (("correct", correct), ("incorrect", ~correct)):
-            if bool(rows.any()):
+            if bool(rows.any()):  # else left out: a mean of no rows is NaN
                 metrics[f"completion_length/{key}"] = lengths[rows].mean()
     metrics["frac_empty"] = ((lengths == 1) & ~truncated).float().mean()  # the EOS alone: said nothing
     return {key: float(value) for key, value in metrics.items()}
