@@ -59,8 +59,7 @@ def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tenso
 
 
 def _cache_keyword(model: nn.Module) -> str:
-    """The KV cache's name in the model's forward and output: `cache` from transformers 5.24 (where
-    `past_key_values` is deprecated, removed in 5.40), `past_key_values` before."""
+    """The KV cache's name in forward and output: `cache` from transformers 5.24, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -507,11 +506,18 @@ class RowChunk:
 def row_chunks(
     model: nn.Module, inputs: dict[str, Tensor], completion_ids: Tensor, recording: Tensor | None, plan: Plan
 ) -> list[RowChunk]:
-    """The N rows as the log-prob passes take them: all at once (the plain path), or micro-batches, each with
-    its frozen trunk under trunk reuse, from the sampler's `recording` (N, P + T - 1, H) or captured here."""
-    size, parts = plan.config.micro_batch_size, plan.parts
-    if parts is None and size is None:
+    """The N rows as the log-prob passes take them: all at once on the plain path, else `micro_batches`."""
+    if plan.parts is None and plan.config.micro_batch_size is None:
         return [RowChunk(slice(0, completion_ids.shape[0]), inputs, completion_ids)]
+    return micro_batches(model, inputs, completion_ids, recording, plan)
+
+
+def micro_batches(
+    model: nn.Module, inputs: dict[str, Tensor], completion_ids: Tensor, recording: Tensor | None, plan: Plan
+) -> list[RowChunk]:
+    """The rows in chunks of --micro-batch-size (all N if None), each with its frozen trunk under trunk reuse:
+    from the sampler's `recording` (N, P + T - 1, H), or captured here."""
+    size, parts = plan.config.micro_batch_size, plan.parts
     chunks = []
     for rows, chunk_inputs in split_rows(inputs, size or completion_ids.shape[0]):
         chunk = RowChunk(rows, chunk_inputs, completion_ids[rows])

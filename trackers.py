@@ -1,17 +1,11 @@
 """Experiment trackers (`--report-to`): every step's metrics and, at each evaluation, a table of a few
 completions, sent to TensorBoard, Weights & Biases or trackio.
 
-No tracker is a dependency: each package (torch's SummaryWriter for TensorBoard) is imported inside
-`open_tracker`, only when asked for, and a missing one raises an ImportError that names the flag and the
-pip command. Imports only the standard library at module scope, and nothing from this project.
-
-Choices:
-- The JSONL files logs.py writes are the record of a run; a tracker mirrors metrics.jsonl and is never the
-  only copy.
-- A tracker gets numbers only: strings (the `skipped` reason) and non-finite values (the loss of a skipped
-  step) are left out of it; metrics.jsonl keeps them.
-- Completions go as a table where the backend has one (wandb, trackio), else as markdown (TensorBoard's
-  text plugin renders it), with `|` and line breaks escaped inside the cells.
+No tracker is a dependency: each package is imported inside `open_tracker`, only when asked for; a missing
+one is an ImportError naming the flag and the pip command. The standard library only at module scope.
+Choices: metrics.jsonl (logs.py) is the run's record and a tracker mirrors it, numbers only (the `skipped`
+reason and non-finite values stay in the JSONL); completions go as a table where the backend has one (wandb,
+trackio), else as markdown (TensorBoard's text plugin), with `|` and line breaks escaped in the cells.
 """
 
 from __future__ import annotations
@@ -95,16 +89,6 @@ class Tracker:
             self.backend.finish()
 
 
-def import_tracker(kind: str) -> Any:
-    """The tracker's package, or an ImportError that says which flag wanted it and how to install it."""
-    try:
-        return importlib.import_module(kind)
-    except ImportError as error:
-        raise ImportError(
-            f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind}"
-        ) from error
-
-
 def open_tracker(kind: str, run_dir: Path, config: dict, run_name: str | None = None) -> Tracker | None:
     """Start logging to `kind` ("none": no tracker, None). TensorBoard writes its events under
     run_dir/tensorboard; wandb keeps its files under run_dir; trackio has no directory argument and keeps
@@ -113,7 +97,11 @@ def open_tracker(kind: str, run_dir: Path, config: dict, run_name: str | None = 
         return None
     if kind not in TRACKER_PACKAGES:
         raise ValueError(f"--report-to {kind!r}: expected one of none, {', '.join(TRACKER_PACKAGES)}")
-    module = import_tracker(kind)
+    try:
+        module = importlib.import_module(kind)
+    except ImportError as error:
+        missing = f"--report-to {kind} needs the {kind} package, which is not installed: pip install {kind}"
+        raise ImportError(missing) from error
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if kind == "tensorboard":

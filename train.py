@@ -130,8 +130,7 @@ class Args:
     """Speed-ups (speedups.py); each leaves the results unchanged (equal to rounding)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# One training step: rollout (sample -> score -> advantages), frozen log-probs, policy update
+# --- One training step: rollout (sample -> score -> advantages), frozen log-probs, policy update ------------
 
 
 @dataclass
@@ -219,8 +218,7 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     G, model, ends = args.group_size, run.model, run.sampling["eos_token_id"]
     batch = prompt_batch(run, prompts, args)
     model.eval()
-    # The B prompts go in; rows b*G .. b*G+G-1 come out as prompt b's group. `recording`: the frozen trunk,
-    # when the run's sampler records it (speedups.py), else None.
+    # B prompts in, rows b*G .. b*G+G-1 out (prompt b's group); `recording`: the frozen trunk, or None.
     completion_ids, recording = speedups.sample(model, batch.inputs, run.speed, group_size=G, **run.sampling)
     mask, truncated = grpo.completion_mask(completion_ids, ends)  # (N, T), (N,)
     texts = data.decode_completions(run.tokenizer, completion_ids, mask, ends)
@@ -295,8 +293,7 @@ def accumulate_policy_gradient(
         share = mask.sum().item() / totals.num_tokens.item()  # this chunk's part of the token means
         stats_sum = {key: stats_sum.get(key, 0.0) + share * value for key, value in stats.items()}
         entropies.append(entropy)
-    # Under torchrun each rank holds its share of the global means.
-    loss_sum, *values = distributed.sum_across_ranks([loss_sum, *stats_sum.values()])
+    loss_sum, *values = distributed.sum_across_ranks([loss_sum, *stats_sum.values()])  # each rank: its share
     stats_sum = dict(zip(stats_sum, values))
     return loss_sum, stats_sum, torch.cat(entropies)
 
@@ -326,8 +323,7 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
     return stats
 
 
-# --------------------------------------------------------------------------------------------------
-# DAPO's dynamic sampling: a step's rollout from the groups that carry a learning signal
+# --- DAPO's dynamic sampling: a step's rollout from the groups that carry a learning signal -----------------
 
 
 def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Rollout, dict]:
@@ -398,8 +394,7 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Set-up: data, rewards, model, LoRA, optimizer
+# --- Set-up: data, rewards, model, LoRA, optimizer ----------------------------------------------------------
 
 
 FP16_REFUSED = (
@@ -523,8 +518,7 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Resume and checkpoints
+# --- Resume and checkpoints ---------------------------------------------------------------------------------
 
 
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
@@ -553,8 +547,7 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
 
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
     """Why the run stops after this step (a signal on any rank, too many bad steps), or None to go on.
-    NOTE: the requests are read ONCE, and only the all-reduced value decides: a signal arriving between the
-    all-reduce and a second read would stop this rank and not the others."""
+    NOTE: the requests are read once and only the all-reduced value decides (a second read could differ)."""
     requests = list(stop.requests)
     if distributed.any_rank(bool(requests)):
         return requests[0] if requests else "a stop request on another rank"
@@ -563,8 +556,7 @@ def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation, logging, plots
+# --- Evaluation, logging, plots -----------------------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -592,8 +584,7 @@ def evaluate(run: Run, args: Args) -> dict:
     return metrics
 
 
-def print_if(condition: bool, *values) -> None:
-    """print on the writing rank only (every rank would print the same line R times)."""
+def print_if(condition: bool, *values) -> None:  # on the writing rank only, not R times
     if condition:
         print(*values)
 
@@ -624,8 +615,7 @@ def dry_run(run: Run, args: Args) -> dict:
     return {"loss": loss, **stats}
 
 
-# --------------------------------------------------------------------------------------------------
-# Main: check, set up, then the loop: step -> log -> evaluate -> checkpoint
+# --- Main: check, set up, then the loop: step -> log -> evaluate -> checkpoint ------------------------------
 
 
 def train_loop(
