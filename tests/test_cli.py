@@ -10,8 +10,10 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -189,6 +191,20 @@ SIGNAL_DURING = {
     "def evaluate(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return real(*a, **k)\n"
     "train.evaluate = evaluate",
 }
+
+
+@pytest.mark.parametrize("after_s", [0.5, 2.0])
+def test_ctrl_c_while_the_imports_run_exits_130_without_a_traceback_and_writes_nothing(tmp_path, after_s):
+    """`python train.py` interrupted in its first seconds (torch and transformers importing, or set-up)."""
+    out = tmp_path / "run"
+    command = [sys.executable, str(ROOT / "train.py"), "--output-dir", str(out), *SMALL_FLAGS]
+    child = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(after_s)
+    child.send_signal(signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stdout + stderr
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("moment", SIGNAL_DURING)
