@@ -5,8 +5,7 @@ sample dict, passed through untouched, so a reward reads whatever ground truth i
 `sample["answer"]`, `sample["bbox"]`). Standard library only, nothing from this project: it copies alone.
 
 Built-ins (`BUILTIN_REWARDS` name -> function), each 1.0 or 0.0 unless said:
-- label: the first line (leading whitespace skipped: layout is `format`'s job) is a verdict equal to
-  `sample["label"]`.
+- label: the first line, leading whitespace skipped, is a verdict equal to `sample["label"]`.
 - format: exactly two lines, the verdict alone, then `理由:` or `理由：` and a NON-EMPTY reason; trailing
   whitespace on a line and trailing blank lines are allowed, leading whitespace is not.
 - exact_match: the answer text, stripped, equals `str(sample["answer"])`, stripped.
@@ -22,29 +21,27 @@ Built-ins (`BUILTIN_REWARDS` name -> function), each 1.0 or 0.0 unless said:
   L <= L_max - L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and
   L_cache = `cache_length` have no defaults (bind them: `load_reward("overlong", max_length=..., ...)`).
 
-The grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count) live
-in grounding.py (`grounding.REWARDS`), with Qwen-VL's coordinate frames; train.py and the scripts name them
-by passing `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}` to `load_reward` / `parse_reward_specs`.
+The grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count, with
+Qwen-VL's coordinate frames) live in grounding.py: pass `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}`.
 
 "Answer text" (exact_match, answer_match, numeric_match, grounding) is the last `<answer>…</answer>` block's
 content, else the whole completion: it composes with think_answer_format and works on bare answers.
 
-Verdicts (label, format): `通过` ≡ `pass`, `不通过` ≡ `fail`, English case-insensitive; any other verdict in a
-completion earns 0. Malformed ground truth (a label that is no verdict, a non-numeric answer for
-numeric_match, a bad bbox) raises ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION
-is never an error, it just earns 0.
+Verdicts (label, format): `通过` ≡ `pass`, `不通过` ≡ `fail`, English case-insensitive; others earn 0.
+Malformed ground truth (a label that is no verdict, a non-numeric answer for numeric_match, a bad bbox) raises
+ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION is never an error, it earns 0.
 
-Combining (`score`): total = sum(weight * value), except that a completion with ANY gate reward <= 0 gets 0
-(no credit for a right verdict in a broken format). Gates should therefore be 0/1 rewards; never gate
-`overlong`, which is <= 0 by construction. `score` also reports each reward's unweighted values and which
-gates failed. NOTE: samples are not broadcast over a group; the trainer repeats each sample G times.
+Combining (`score`): total = sum(weight * value), but a completion with ANY gate reward <= 0 gets 0 (no credit
+for a right verdict in a broken format). Gates should therefore be 0/1 rewards; never gate `overlong`, which
+is <= 0 by construction. NOTE: no broadcast over a group: the trainer repeats each sample G times.
 
-Plug-in contract (`load_reward("module:function")` or `load_reward("path/to/file.py:function")`): a callable
-that accepts `(completion, sample)` positionally and returns a finite int or float; bool (almost always a
-forgotten float()), None, NaN, inf (which would poison the group's std) and anything else raise ValueError
-naming the reward, the completion index and the sample id. A reward needing the completion's token count
-declares a KEYWORD-ONLY `completion_length`, which `score` passes to exactly those rewards
-(`inspect.signature`). Any other parameter must have a default or be bound at load time.
+Plug-in contract (`load_reward("module:function")` or `"path/to/file.py:function"`): a callable that accepts
+`(completion, sample)` positionally and returns an int or float; bool (almost always a forgotten float()),
+None, NaN, inf, beyond float32's +/-3.4e38 (inf in the trainer's tensor; each would poison the group's std)
+and anything else raise ValueError naming the reward, the completion index and the sample id. A plug-in that
+raises, sys.exit() included, fails `score` with an exception whose `user_message` adds its file:line. A reward
+needing the completion's token count declares a KEYWORD-ONLY `completion_length`, which `score` passes to
+exactly those rewards (`inspect.signature`). Any other parameter must have a default or be bound at load time.
 """
 
 import dataclasses
@@ -53,18 +50,18 @@ import importlib
 import importlib.util
 import inspect
 import math
-import numbers
 import os
 import re
 import sys
 import traceback
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
+from numbers import Real
 from typing import Any, Literal
 
 RewardFn = Callable[..., float]
 
-# --- verdicts ---------------------------------------------------------------------------------------------
+# --- built-ins --------------------------------------------------------------------------------------------
 
 # Keys are casefolded; Chinese is unaffected by casefold, English becomes case-insensitive.
 _VERDICTS = {"通过": "pass", "不通过": "fail", "pass": "pass", "fail": "fail"}
@@ -92,8 +89,6 @@ def format_reward(completion: str, sample: Mapping[str, Any]) -> float:
         return 0.0
     return float(_REASON_RE.fullmatch(lines[1]) is not None)
 
-
-# --- answers ----------------------------------------------------------------------------------------------
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -203,17 +198,19 @@ def _describe(index: int, sample: Mapping[str, Any]) -> str:
 
 
 # `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
-def _name_the_failure(error: Exception, name: str, index: int, sample: Mapping[str, Any]) -> None:
+def _name_the_failure(error: BaseException, name: str, index: int, sample: Mapping[str, Any]) -> Exception:
     where = f"raised by reward {name!r} on {_describe(index, sample)}"
     error.add_note(where)
     frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
-    error.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
+    failure = error if isinstance(error, Exception) else RuntimeError(f"{where}: {error!r}")  # a SystemExit
+    failure.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
+    return failure
 
 
 def _bad_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> ValueError:
     error = ValueError(
         f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
-        "rewards must return a finite int or float"
+        "rewards must return a finite int or float that float32 holds (|value| <= 3.4028235e38)"
     )
     error.user_message = str(error)
     return error
@@ -245,7 +242,14 @@ def score(
             except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
                 _name_the_failure(e, r.name, i, sample)
                 raise
-            if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value)):
+            # NOTE: a plug-in's sys.exit() is its failure (sys.exit(0) is no success). Passed on: cli.Stopped,
+            # a signal's stop, and KeyboardInterrupt, which Ctrl-C raises in whatever code runs, plug-ins too.
+            except SystemExit as e:
+                if type(e) is not SystemExit:
+                    raise
+                raise _name_the_failure(e, r.name, i, sample) from e
+            # NOTE: float32's largest is 3.4028235e38 (1e39 is inf in the trainer's tensor); NaN fails `<=`.
+            if isinstance(value, bool) or not (isinstance(value, Real) and abs(value) <= 3.4028235e38):
                 raise _bad_value(value, r.name, i, sample)
             components[r.name].append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
@@ -267,8 +271,7 @@ def _import_module_for(module_spec: str) -> Any:
         name = f"_reward_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
         spec = importlib.util.spec_from_file_location(name, module_spec)
         assert spec is not None and spec.loader is not None  # None for a suffix Python cannot import
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except BaseException as e:  # leave no half-initialised module behind, whatever the module raised
@@ -307,8 +310,7 @@ def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **
         fn = getattr(module, attr)
     if not callable(fn):  # ValueError, not TypeError: a command-line mistake like all the others
         raise ValueError(f"reward {spec!r} is not callable (got {type(fn).__name__})")  # noqa: TRY004
-    if bind:
-        fn = functools.partial(fn, **bind)
+    fn = functools.partial(fn, **bind) if bind else fn
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -337,8 +339,7 @@ def parse_reward_specs(
     if len(set(specs)) != len(specs):
         raise ValueError(f"rewards must be unique, got {list(specs)}")
     gates = list(gates or [])
-    unknown = [g for g in gates if g not in specs]
-    if unknown:
+    if unknown := [g for g in gates if g not in specs]:
         raise ValueError(f"gates {unknown} are not among the rewards {list(specs)}")
     return [
         Reward(s, load_reward(s, builtins=builtins), float(w), s in gates) for s, w in zip(specs, weights)
@@ -387,8 +388,7 @@ def rewards_from_flags(
     with each mistake a ValueError whose message starts with the flag at fault."""
     if weights and len(weights) != len(names):
         raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
-    unknown = sorted(set(gates) - set(names))
-    if unknown:
+    if unknown := sorted(set(gates) - set(names)):
         raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
     try:
         return parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)

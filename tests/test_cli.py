@@ -344,9 +344,19 @@ def test_cli_user_errors_names_the_missing_file():
         open(os.path.join("nowhere", "nowhere.jsonl"))  # noqa: SIM115
 
 
-def test_a_failing_reward_plug_in_exits_2_naming_the_reward_and_its_file_line_without_traceback(tmp_path):
+# sys.exit(0) in a plug-in would otherwise end the run with status 0, as if it had finished.
+@pytest.mark.parametrize(
+    "body, raised",
+    [
+        ("return 1 / 0", "ZeroDivisionError: division by zero"),
+        ("sys.exit(0)", "SystemExit: 0"),
+    ],
+)
+def test_a_failing_reward_plug_in_exits_2_naming_the_reward_and_its_file_line_without_traceback(
+    tmp_path, body, raised
+):
     plugin = tmp_path / "judge.py"
-    plugin.write_text("def judge(completion, sample):\n    return 1 / 0\n")
+    plugin.write_text(f"import sys\n\ndef judge(completion, sample):\n    {body}\n")
     out = tmp_path / "run"
     flags = [
         *SMALL_FLAGS,
@@ -363,4 +373,5 @@ def test_a_failing_reward_plug_in_exits_2_naming_the_reward_and_its_file_line_wi
     assert "Traceback" not in child.stdout + child.stderr
     (line,) = [line for line in child.stderr.splitlines() if line.startswith("error:")]
     assert child.stderr.rstrip().endswith(line)  # the last word, and the only error line
-    assert f"reward '{plugin}:judge'" in line and "ZeroDivisionError" in line and f"{plugin}:2" in line
+    assert f"reward '{plugin}:judge'" in line and f"): {raised} (at {plugin}:4)" in line
+    assert not model_io.list_checkpoints(out)

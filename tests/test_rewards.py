@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import cli
 from rewards import (
     BUILTIN_REWARDS,
     Reward,
@@ -305,6 +306,48 @@ def test_non_finite_or_non_number_reward_raises_naming_reward_and_index(bad):
     samples = [{"id": "s-0"}, {"id": "s-1"}]
     with pytest.raises(ValueError, match=r"'flaky'.*completion 1 \(sample id 's-1'\)"):
         score(["first", "second"], samples, rs)
+
+
+@pytest.mark.parametrize("value", [1e39, -1e39, 10**39, 10**400], ids=["1e39", "-1e39", "10**39", "10**400"])
+def test_a_reward_that_float32_cannot_hold_raises_naming_reward_and_sample(value):
+    # Finite in Python, inf in the trainer's float32 reward tensor.
+    rs = [Reward("huge", lambda c, s: value if c == "second" else 1.0)]
+    samples = [{"id": "s-0"}, {"id": "s-1"}]
+    with pytest.raises(ValueError, match=r"'huge'.*completion 1 \(sample id 's-1'\).*float32") as info:
+        score(["first", "second"], samples, rs)
+    assert info.value.user_message == str(info.value)
+
+
+@pytest.mark.parametrize("value", [3e38, -3e38, 3.4028235e38])
+def test_a_reward_that_float32_holds_is_accepted(value):
+    assert score(["x"], [{}], [Reward("big", lambda c, s: value)]).total == [value]
+
+
+@pytest.mark.parametrize("code", [0, "judge unavailable"])
+def test_a_plug_in_that_calls_sys_exit_fails_like_one_that_raises_naming_the_sample_and_line(code):
+    def quits(completion, sample):
+        if completion == "second":
+            sys.exit(code)  # 0 would end a training run with status 0, as a success
+        return 1.0
+
+    samples = [{"id": "s-0"}, {"id": "s-1"}]
+    with pytest.raises(RuntimeError) as info:
+        score(["first", "second"], samples, [Reward("quits", quits)])
+    where = f"{__file__}:{quits.__code__.co_firstlineno + 2}"
+    assert info.value.user_message == (
+        f"raised by reward 'quits' on completion 1 (sample id 's-1'): SystemExit: {code} (at {where})"
+    )
+
+
+@pytest.mark.parametrize("stop", [cli.Stopped("stopped by SIGINT"), KeyboardInterrupt()])
+def test_a_signals_stop_inside_a_plug_in_passes_through_score_untouched(stop):
+    # A signal's handler raises in whatever frame runs, a plug-in's too: a stop, not the plug-in's failure.
+    def interrupted(completion, sample):
+        raise stop
+
+    with pytest.raises(type(stop)) as info:
+        score(["x"], [{}], [Reward("slow", interrupted)])
+    assert info.value is stop and not hasattr(stop, "user_message")
 
 
 def test_integer_reward_is_accepted_as_float():
