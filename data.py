@@ -10,19 +10,16 @@ built-in tasks of tasks.py put `PIL.Image` objects there); `prompt` follows them
 
 Prompts are prepared as the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, without torchvision: the chat
 template writes `<|vision_start|><|image_pad|><|vision_end|>` per image, the image processor gives
-`pixel_values` and `image_grid_thw`, and each `<|image_pad|>` becomes `grid_t * grid_h * grid_w /
-merge_size**2` copies, one per visual token the merger emits. Prompts are LEFT-padded so that every row's
-completion starts at column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` prompt
-length (padded).
+`pixel_values` and `image_grid_thw`, and each `<|image_pad|>` becomes `grid_t*grid_h*grid_w / merge_size**2`
+copies, one per visual token the merger emits. Prompts are LEFT-padded: every row's completion starts at
+column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` padded prompt length.
 
 Choices:
 - A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
   desynchronise text and `pixel_values`, and a cut through the text changes the task.
-- Images above the processor's pixel budget are resized down by it, never rejected; `check_samples` counts
-  them so that the caller can say so (`describe_resizes`).
-- Rows are expanded with `repeat_interleave` semantics (prompt b becomes rows b*G .. b*G+G-1), the flat
-  `pixel_values` / `image_grid_thw` per prompt block, never with a flat `repeat` (the classic bug that
-  pairs row b's text with another row's pixels).
+- Images above the processor's pixel budget are shrunk by it, never rejected (`describe_resizes` says so).
+- Rows are expanded like `repeat_interleave` (prompt b becomes rows b*G .. b*G+G-1), `pixel_values` and
+  `image_grid_thw` per prompt block; a flat `repeat` would pair row b's text with another row's pixels.
 - A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
   sampled (an image token would have no pixels); decoding keeps Qwen-VL's grounding markers.
 """
@@ -40,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
 import tasks
 
@@ -61,17 +59,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
         raise FileNotFoundError(f"dataset {path} does not exist")
     samples = []
     # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON.
-    with path.open(encoding="utf-8-sig") as f:
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             # NOTE: without its newline, or json puts a line cut short at "line 2 column 1" of one line.
             text = line.rstrip("\r\n")
+            if bad := re.search("[\udc80-\udcff]", text):  # surrogateescape reads a bad byte b as U+DC00 + b
+                byte, column = ord(bad[0]) - 0xDC00, bad.start() + 1
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column {column})")
             try:
                 sample = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(_json_error(where, text, e)) from e
+            except RecursionError as e:  # json's parser recurses once per '[' or '{'
+                raise ValueError(f"{where}: JSON nested too deeply") from e
             samples.append(_validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
@@ -109,6 +112,13 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
         raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
     if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
         raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
+    for i, turn in enumerate(sample.get("messages") or []):  # else the chat template fails or drops it
+        body = turn.get("content") if isinstance(turn, dict) else None
+        ok = isinstance(body, str) or isinstance(body, list) and all(isinstance(c, dict) for c in body)
+        if not (ok and isinstance(turn.get("role"), str)):
+            raise ValueError(
+                f'{where}: messages[{i}]: must be {{"role": string, "content": string or list of objects}}'
+            )
     summaries = sample.get("summaries")
     strings = isinstance(summaries, list) and summaries and all(isinstance(t, str) for t in summaries)
     if summaries is not None and not strings:
@@ -118,23 +128,21 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
-    resolved = []
-    for p in images:
-        full = (base_dir / p).resolve()
+    resolved = [(base_dir / p).resolve() for p in images]
+    for p, full in zip(images, resolved):
         if not full.is_file():
             raise ValueError(f"{where}: image {p!r} not found (looked for {full})")
-        resolved.append(str(full))
-    return {**sample, "images": resolved, "_where": where}
+    return {**sample, "images": [str(full) for full in resolved], "_where": where}
 
 
 def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
-    """Open one image as RGB; a missing, empty or undecodable file raises naming the sample's line."""
+    """RGB as transformers' image processors make it (alpha onto white); a bad file raises naming its line."""
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return Image.fromarray(convert_to_rgb(image, return_numpy=True))
     path = Path(image)
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")  # convert() forces a full decode, so truncated files fail here
+            return load_image(im, sample)  # converting forces a full decode, so truncated files fail here
     except (OSError, Image.DecompressionBombError) as e:  # a missing or empty file fails here too
         size = path.stat().st_size if path.is_file() else None
         why = "not found" if size is None else "is an empty file" if size == 0 else f"cannot be decoded ({e})"
@@ -183,9 +191,8 @@ def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dic
     if config.data:
         train = []
         for path in config.data:
-            loaded = read_jsonl(path)
+            train += (loaded := read_jsonl(path))
             print(f"loaded {len(loaded)} samples from {path}")
-            train += loaded
         held_out = read_jsonl(config.eval_data)[: config.eval_size] if config.eval_data else []
     else:
         train = tasks.make_task(config.task, config.train_size, seed=seed)
@@ -210,12 +217,9 @@ def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict
     else:
         order = random.Random(seed).sample(range(len(images)), len(images))
         # Slot order[j] takes the image of slot order[j - 1]: a cycle through every slot, no fixed point.
-        replaced = list(images)
-        for j in range(len(order)):
-            replaced[order[j]] = images[order[j - 1]]
+        replaced = [images[source] for _, source in sorted(zip(order, order[-1:] + order[:-1]))]
     taken = iter(replaced)
-    counts = [len(sample.get("images") or []) for sample in samples]
-    return [{**s, "images": list(itertools.islice(taken, n))} if n else s for s, n in zip(samples, counts)]
+    return [{**s, "images": [next(taken) for _ in s["images"]]} if s.get("images") else s for s in samples]
 
 
 # --- Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N -------------------------
@@ -352,14 +356,11 @@ def check_samples(
 ) -> ResizeReport:
     """Fail fast, before any model work: decode every image once and bound every prompt's length (visual
     tokens from image sizes by the processor's own rule, no pixels processed); return the ones it shrinks."""
-    budget = image_pixel_budget(image_processor)
-    oversized = []
+    budget, oversized = image_pixel_budget(image_processor), []
     for sample in samples:
         sizes = [load_image(im, sample).size for im in sample.get("images", [])]  # corrupt files fail here
         if sizes and image_processor is None:
-            raise ValueError(
-                f"{location(sample)}: this model has no image processor (text-only) but got images"
-            )
+            raise ValueError(f"{location(sample)}: a text-only model (no image processor) got images")
         text = _chat_text(sample, tokenizer, len(sizes))
         length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each
         for width, height in sizes:
@@ -387,12 +388,11 @@ def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -
     if frame is None:
         return samples
     first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
-    out = []
-    for sample, k, n in zip(samples, first_image, batch.images_per_row):
+    out = list(samples)
+    for row, (k, n) in enumerate(zip(first_image, batch.images_per_row)):
         if n:
             sizes = dict(original_size=list(batch.image_sizes[k]), resized_size=list(batch.resized_sizes[k]))
-            sample = {**sample, "grounding": {"frame": frame, **sizes}}
-        out.append(sample)
+            out[row] = {**samples[row], "grounding": {"frame": frame, **sizes}}
     return out
 
 

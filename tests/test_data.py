@@ -1,8 +1,9 @@
 """data.py: row expansion keeps text and pixels together, placeholder counts, JSONL validation.
 
 The tensors are checked against independent references: `repeat_rows` against preparing the repeated list of
-samples, placeholder runs against the grid arithmetic written out by hand, and the images' effect on the model
-through `grpo.completion_logprobs` on the embedded tiny Qwen2.5-VL.
+samples, placeholder runs against the grid arithmetic written out by hand, pixel values against the
+checkpoint's image processor alone on the same PIL image, and the images' effect on the model through
+`grpo.completion_logprobs` on the embedded tiny Qwen2.5-VL.
 """
 
 import copy
@@ -11,6 +12,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -310,6 +312,48 @@ def test_describe_resizes_says_how_many_images_shrink_and_the_largest():
     )
 
 
+# --- images as the checkpoint's processor prepares them -----------------------------------------------------
+
+
+def image_in_mode(mode: str) -> Image.Image:
+    """56x56 noise in `mode` (a size the tiny processor keeps); where the mode has transparency, the left half
+    is fully transparent (its colours hidden) and, for RGBA and LA, the rest partly."""
+    rng = np.random.default_rng(0)
+    if mode == "I;16":
+        return Image.fromarray(rng.integers(0, 2**16, (56, 56), dtype=np.uint16))
+    if mode == "P":  # palette index 0 is transparent (PNG's tRNS), index 1 is opaque in the same colour
+        indices = rng.integers(1, 16, (56, 56), dtype=np.uint8)
+        indices[:, :28] = 0
+        image = Image.frombytes("P", (56, 56), indices.tobytes())
+        colours = rng.integers(0, 256, 15 * 3, dtype=np.uint8).tolist()
+        image.putpalette(colours[:3] + colours)
+        image.info["transparency"] = 0
+        return image
+    rgba = rng.integers(0, 256, (56, 56, 4), dtype=np.uint8)
+    rgba[:, :28, 3] = 0
+    return Image.fromarray(rgba).convert(mode)
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P", "I;16"])
+def test_images_reach_the_model_as_the_checkpoints_processor_prepares_them_transparency_on_white(
+    tiny, tmp_path, mode
+):
+    _, tok, ip = tiny
+    image = image_in_mode(mode)
+    image.save(tmp_path / "image.png")
+    assert Image.open(tmp_path / "image.png").mode == mode
+    # The reference: the checkpoint's processor alone, on the PIL image as opened.
+    reference = ip(images=[image], return_tensors="pt")["pixel_values"]
+    if mode != "I;16":  # 16-bit has no transparency: both conversions agree, and the case pins that
+        # PIL's convert("RGB") shows the hidden colours of transparent pixels (often black), and for a palette
+        # keeps the transparent entry as a colour key, which then hides the opaque entry of the same colour.
+        converted = ip(images=[image.convert("RGB")], return_tensors="pt")["pixel_values"]
+        assert (reference - converted).abs().max() > 1
+    for source in (image, str(tmp_path / "image.png")):  # in memory and from a file
+        batch = data.prepare_prompts([{"images": [source], "prompt": "p"}], tok, ip, device="cpu")
+        torch.testing.assert_close(batch.inputs["pixel_values"], reference, rtol=0, atol=1e-6)
+
+
 # --- JSONL --------------------------------------------------------------------------------------------------
 
 
@@ -410,6 +454,56 @@ def test_a_long_line_is_shown_around_the_fault_only(tmp_path):
     assert f":1:{len(line) - 1}: invalid JSON: " in message  # the comma before the last '}'
     excerpt = message.split("; near: ")[1]
     assert excerpt.startswith("...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 70
+
+
+def test_a_byte_that_is_not_utf8_names_file_line_the_byte_and_its_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    latin1 = '{"prompt": "café"}'.encode("latin-1")  # é is the 16th character, one byte 0xe9 in Latin-1
+    # Columns count characters, as in the JSON errors: 图 is one column (three bytes).
+    after_chinese = '{"prompt": "图'.encode() + b"\xff" + b'"}'
+    path.write_bytes(b"\n".join([GOOD.encode(), latin1, after_chinese]) + b"\n")
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(path))}:2: not UTF-8 \(byte 0xe9 at column 16\)$"
+    ):
+        data.read_jsonl(path)
+    path.write_bytes(b"\n".join([GOOD.encode(), after_chinese]) + b"\n")
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(path))}:2: not UTF-8 \(byte 0xff at column 14\)$"
+    ):
+        data.read_jsonl(path)
+
+
+def test_json_nested_too_deeply_for_the_parser_names_file_and_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    deep = '{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path.write_text(f"{GOOD}\n\n{deep}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:3: JSON nested too deeply$"):
+        data.read_jsonl(path)
+
+
+@pytest.mark.parametrize(
+    "turn",
+    [
+        "hello",
+        {"content": "a"},
+        {"role": 1, "content": "a"},
+        {"role": "user"},
+        {"role": "user", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, "b"]},
+    ],
+    ids=["not-an-object", "no-role", "role-int", "no-content", "content-null", "content-entry-str"],
+)
+def test_a_malformed_chat_turn_is_refused_at_load_naming_its_index(tmp_path, turn):
+    good = {"role": "user", "content": [{"type": "text", "text": "a"}]}
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"messages": [good, turn]}) + "\n", encoding="utf-8")
+    expected = 'messages[1]: must be {"role": string, "content": string or list of objects}'
+    with pytest.raises(ValueError, match=rf"^{re.escape(f'{path}:1: {expected}')}$"):
+        data.read_jsonl(path)
+    path.write_text(
+        json.dumps({"messages": [good, {"role": "assistant", "content": "b"}]}) + "\n", encoding="utf-8"
+    )
+    assert data.read_jsonl(path)[0]["messages"][1]["content"] == "b"
 
 
 def test_a_byte_order_mark_at_the_start_of_a_jsonl_file_is_not_part_of_the_json(tmp_path):
