@@ -115,6 +115,13 @@ def _atomic_write(path: str | Path, content: bytes) -> None:
         raise
 
 
+def _regular(path: str | Path) -> Path:
+    """`path`, refused unless a regular file: opening a FIFO would wait for a writer, deaf to signals."""
+    if (path := Path(path)).exists() and not path.is_file():  # is_file: stat.S_ISREG
+        raise ValueError(f"{path} is not a regular file; refusing to read it")
+    return path
+
+
 def _hyperparameters(model: torch.nn.Module) -> dict:
     """The injected adapters' settings under PEFT's LoraConfig field names."""
     modules = lora.lora_modules(model, required=True)
@@ -132,11 +139,8 @@ def _hyperparameters(model: torch.nn.Module) -> dict:
     return peft | dict(layers_to_transform=layers, layers_pattern=path.rpartition(".")[2])
 
 
-def save_adapter(
-    model: torch.nn.Module, directory: str | os.PathLike, *, base_model_name_or_path: str
-) -> None:
+def save_adapter(model: torch.nn.Module, directory: str | Path, *, base_model_name_or_path: str) -> None:
     """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each atomically."""
-    directory = os.fspath(directory)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **_hyperparameters(model)}
     config |= {"bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False}
     config |= {"inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
@@ -158,19 +162,17 @@ def _check_loadable(config: dict) -> None:
         raise ValueError(f"adapter_config.json uses options lora.py does not implement: {bad}")
 
 
-def load_adapter(
-    model: torch.nn.Module, directory: str | os.PathLike, *, lora_fp32: bool = True
-) -> list[str]:
+def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bool = True) -> list[str]:
     """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
     Every check runs before the model changes, so a failed load leaves it intact. The tensors take the LoRA
     weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
-    config = json.loads(Path(directory, ADAPTER_CONFIG).read_text())
+    config = json.loads(_regular(Path(directory, ADAPTER_CONFIG)).read_text())
     _check_loadable(config)
     r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
     path, blocks = lora.find_decoder_blocks(model)
     layers = config.get("layers_to_transform")  # PEFT's None: every layer
     layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
-    tensors = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
+    tensors = load_file(weights := _regular(Path(directory, ADAPTER_WEIGHTS)))
     if modules := lora.lora_modules(model):
         want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
         have = {k: v for k, v in _hyperparameters(model).items() if k in want}
@@ -184,10 +186,8 @@ def load_adapter(
             raise ValueError(f"LoRA layers {layers} out of range: {path} has {len(blocks)} blocks")
         adapted = [blocks[i] for i in layers]
         linears = lora.target_linears(model, adapted, targets)
-    shapes = {}
-    for name, lin in linears.items():
-        shapes[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = (r, lin.in_features)
-        shapes[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = (lin.out_features, r)
+    shapes = {f"{_PEFT_PREFIX}{name}.lora_A.weight": (r, lin.in_features) for name, lin in linears.items()}
+    shapes |= {f"{_PEFT_PREFIX}{name}.lora_B.weight": (lin.out_features, r) for name, lin in linears.items()}
     if missing := sorted(shapes.keys() - tensors.keys()):
         raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
     if unexpected := sorted(tensors.keys() - shapes.keys()):
@@ -195,6 +195,8 @@ def load_adapter(
     for key, shape in shapes.items():
         if (found := tuple(tensors[key].shape)) != shape:
             raise ValueError(f"shape mismatch for {key!r}: adapter {found}, model {shape}")
+        if not tensors[key].isfinite().all():  # NOTE: a diverged run's weights would train or sample garbage
+            raise ValueError(f"{weights}: {key!r} holds NaN or inf values; refusing to load it")
     if not modules:
         dropout = float(config.get("lora_dropout", 0.0))
         settings = lora.LoRAConfig(
@@ -280,21 +282,18 @@ def save_checkpoint(
             f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store tensors, "
             f"numbers, strings, lists and dicts only, or the checkpoint could not be loaded safely"
         )
-    if run_id is not None:
-        owner = {"run_id": run_id, "step": state.get("step")}
-        (tmp / OWNER_FILE).write_text(json.dumps(owner) + "\n", encoding="utf-8")
-    for f in tmp.rglob("*"):  # on disk before the rename makes the folder visible
-        if f.is_file():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
+    if run_id is not None:  # json.dumps writes ASCII
+        (tmp / OWNER_FILE).write_text(json.dumps({"run_id": run_id, "step": state.get("step")}) + "\n")
+    for f in filter(Path.is_file, tmp.rglob("*")):  # on disk before the rename makes the folder visible
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+    old = directory.with_name(directory.name + ".old")
     if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
-        old = directory.with_name(directory.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(directory, old)
-        os.replace(tmp, directory)
+    os.replace(tmp, directory)
+    if old.exists():
         shutil.rmtree(old)
-    else:
-        os.replace(tmp, directory)
     if keep_last is not None:
         prune_checkpoints(directory.parent, keep_last, run_id=run_id)
     return directory
@@ -307,16 +306,16 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def checkpoint_run_id(directory: str | Path) -> str | None:
-    """The run id recorded in a checkpoint's `checkpoint.json`; None when it has none."""
+    """The run id recorded in a checkpoint's `checkpoint.json`; None when it has none or it is unreadable."""
     path = Path(directory) / OWNER_FILE
-    return json.loads(path.read_text(encoding="utf-8")).get("run_id") if path.is_file() else None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads(path.read_text(encoding="utf-8")).get("run_id") if path.is_file() else None
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = None) -> None:
     """Delete all but the newest `keep_last` checkpoints; with a `run_id`, only among that run's own."""
     found = list_checkpoints(run_dir)
-    if run_id is not None:
-        # NOTE: a folder of another run, or one without checkpoint.json, is never ours to delete.
+    if run_id is not None:  # NOTE: another run's checkpoint, or one without a readable owner, is not ours
         found = [p for p in found if checkpoint_run_id(p) == run_id]
     for old in found[:-keep_last]:
         shutil.rmtree(old)
@@ -324,20 +323,20 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = 
 
 def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     """Read `trainer_state.pt` of a checkpoint folder, plain data only (the caller loads the adapter)."""
-    path = Path(directory) / STATE_FILE
+    path = _regular(Path(directory) / STATE_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # what weights_only raises for any global or opcode it does not allow
-        message = str(e)
-        found = re.search(r"GLOBAL (\S+)", message) or re.search(r"WeightsUnpickler error: ([^\n]*)", message)
-        reason = found.group(1) if found else message.strip().splitlines()[0]
-        # `from None`: torch's message advises weights_only=False, the very thing refused here.
-        raise ValueError(
-            f"{path}: not a plain-data trainer state (it would need to run code to load: {reason}); "
-            f"refusing to load it. Was it written by another program or an older version?"
-        ) from None
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:  # refused global; torn; not a zip
+        if found := re.search(r"GLOBAL (\S+)", message := str(e)):
+            raise ValueError(
+                f"{path}: not a plain-data trainer state (it would need to run code to load: {found[1]}); "
+                f"refusing to load it. Was it written by another program or an older version?"
+            ) from None  # torch's message advises weights_only=False, the very thing refused here
+        found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", message)
+        reason = found.group(1) if found else message.split(". ")[0] or type(e).__name__
+        raise ValueError(f"{path}: unreadable ({reason}); is it damaged or cut short?") from None
 
 
 def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str]:
@@ -345,7 +344,7 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
     folder, or a run folder (its newest). A ValueError when it belongs to another run than out/run.json."""
     checkpoint = Path(path) if (Path(path) / STATE_FILE).exists() else list_checkpoints(path)[-1]
     state = load_checkpoint(checkpoint)
-    run_json = out / "run.json"
+    run_json = _regular(out / "run.json")
     owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
     run_id = state.get("run_id") or owner or uuid.uuid4().hex  # an older checkpoint may name no run
     if owner not in (None, run_id):
@@ -411,8 +410,7 @@ def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
 def trim_jsonl(path: Path, last_step: int) -> None:
     """Keep only the lines whose "step" is <= last_step (absent file: no-op). Lines that are not a JSON object
     with a numeric "step" go too: in an append-only file that is a torn last line, cut by a crash."""
-    path = Path(path)
-    if not path.exists():
+    if not (path := _regular(path)).exists():
         return
     kept = []
     for raw in path.read_bytes().split(b"\n"):
@@ -437,6 +435,8 @@ def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: 
         for folder in [*(out / name for name in RUN_FOLDERS), *out.glob("checkpoint-*")]:
             shutil.rmtree(folder, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    for leftover in out.glob("checkpoint-*.tmp"):  # of a save that was killed: never a checkpoint
+        shutil.rmtree(leftover, ignore_errors=True)
     if mode == "resume":
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)

@@ -680,9 +680,9 @@ def main(args: Args) -> dict:
         stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
         log = None
         if writer:
-            model_io.open_run_folder(out, mode, run_id, start_step, dataclasses.asdict(args))
             settings = dataclasses.asdict(args)
-            with cli.user_errors():
+            with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
+                model_io.open_run_folder(out, mode, run_id, start_step, settings)
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
             accuracy = (first or {}).get("eval/accuracy")
             progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)

@@ -120,3 +120,19 @@ def test_a_state_that_is_not_plain_data_is_refused_at_save_time_and_the_previous
         )
     assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
     assert model_io.load_checkpoint(tmp_path / "checkpoint-1")["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "cut short"])
+def test_a_damaged_or_cut_short_state_file_is_refused_as_unreadable_naming_it(tmp_path, damage):
+    folder = model_io.save_checkpoint(
+        tmp_path / "checkpoint-000001", write_adapter=write_adapter_file, state={"step": 1}, keep_last=None
+    )
+    path = folder / model_io.STATE_FILE
+    whole = path.read_bytes()
+    path.write_bytes(
+        {"garbage": b"not a checkpoint\n", "empty": b"", "cut short": whole[: len(whole) // 2]}[damage]
+    )
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(str(path))}: unreadable \(.+\); is it damaged or cut short\?$"
+    ):
+        model_io.load_checkpoint(folder)

@@ -3,10 +3,14 @@ identically, checkpoints are atomic and restore RNG exactly; plus the project-wi
 
 import ast
 import copy
+import functools
 import json
 import math
+import os
 import random
+import re
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_random_causal_lm
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
 
 import data
@@ -301,6 +306,96 @@ def test_failing_write_adapter_leaves_the_previous_checkpoint_intact_and_no_fina
 def test_load_checkpoint_of_a_folder_without_state_raises_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
         model_io.load_checkpoint(tmp_path)
+
+
+# --- damaged or odd files in a run folder -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_adapter_with_nan_or_inf_weights_is_refused_naming_the_file_and_the_tensor(tmp_path, bad):
+    model = make_random_causal_lm()
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
+    model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
+    weights = tmp_path / model_io.ADAPTER_WEIGHTS
+    tensors = load_file(weights)
+    key = max(tensors)
+    tensors[key][0, -1] = bad
+    save_file(tensors, weights)
+    fresh = make_random_causal_lm()
+    with pytest.raises(ValueError, match=rf"^{re.escape(f'{weights}: {key!r}')} holds NaN or inf values"):
+        model_io.load_adapter(fresh, tmp_path)
+    assert not lora.lora_modules(fresh)  # refused before the model changed
+
+
+# What `--resume` reads: the checkpoint's trainer state, then its adapter into the model.
+RESUME = """
+import sys, torch, model_io
+from pathlib import Path
+model = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[0]
+for run in sys.argv[1:]:
+    try:
+        model_io.load_adapter(model, model_io.checkpoint_to_resume(run, Path(run))[0])
+    except ValueError as e:
+        print(e)
+"""
+
+
+def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blocking_the_resume(
+    tiny, tmp_path
+):
+    model = copy.deepcopy(tiny[0])
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
+    write = functools.partial(model_io.save_adapter, model, base_model_name_or_path=str(ASSET))
+    fifo = [
+        (name, os.mkfifo) for name in (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, model_io.STATE_FILE)
+    ]
+    runs, expected = [], []
+    for i, (name, make) in enumerate([*fifo, (model_io.ADAPTER_WEIGHTS, Path.mkdir)]):
+        checkpoint = tmp_path / f"run-{i}" / "checkpoint-000001"
+        model_io.save_checkpoint(checkpoint, write_adapter=write, state={"step": 1}, keep_last=None)
+        (checkpoint / name).unlink()
+        make(checkpoint / name)
+        runs.append(str(checkpoint.parent))
+        expected.append(f"{checkpoint / name} is not a regular file; refusing to read it")
+    # In a child process: opening a FIFO blocks until a writer comes, so a regression times out, not hangs.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", RESUME, *runs],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == expected
+
+
+def test_a_leftover_temporary_checkpoint_folder_is_removed_when_the_run_folder_opens_and_never_resumed(
+    tmp_path,
+):
+    save(tmp_path, 1)
+    leftover = tmp_path / "checkpoint-2.tmp"  # a save killed before the rename that completes it
+    leftover.mkdir()
+    (leftover / model_io.STATE_FILE).write_bytes(b"half")
+    assert model_io.check_run_folder(tmp_path, resume=str(tmp_path), overwrite=False) == "resume"
+    checkpoint, state, run_id = model_io.checkpoint_to_resume(tmp_path, tmp_path)
+    assert (checkpoint.name, state["step"]) == ("checkpoint-1", 1)
+    model_io.open_run_folder(tmp_path, "resume", run_id, 1, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "run.json"]
+
+
+@pytest.mark.parametrize(
+    "owner", [b"{not json", b"[1, 2]", b"\xff\xfe"], ids=["not-json", "a-list", "not-utf8"]
+)
+def test_a_checkpoint_whose_owner_file_is_unreadable_is_no_runs_to_prune_and_saving_goes_on(tmp_path, owner):
+    save(tmp_path, 1, run_id="run-a")
+    (tmp_path / "checkpoint-1" / model_io.OWNER_FILE).write_bytes(owner)
+    assert model_io.checkpoint_run_id(tmp_path / "checkpoint-1") is None
+    for step in (2, 3):
+        save(tmp_path, step, keep_last=1, run_id="run-a")
+    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3"]
 
 
 # --- load_model errors and text-only models -----------------------------------------------------------------
