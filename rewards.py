@@ -239,16 +239,13 @@ def score(
             kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
             try:
                 value = r.fn(completion, sample, **kwargs)
-            except Exception as e:  # NOTE: not swallowed: re-raised as is, with the reward and sample named
+            except Exception as e:  # NOTE: not swallowed: raised again, naming the reward and the sample
                 _name_the_failure(e, r.name, i, sample)
                 raise
-            # NOTE: a plug-in's sys.exit() is its failure (sys.exit(0) is no success). Passed on: cli.Stopped,
-            # a signal's stop, and KeyboardInterrupt, which Ctrl-C raises in whatever code runs, plug-ins too.
-            except SystemExit as e:
+            except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) passes on
                 if type(e) is not SystemExit:
                     raise
                 raise _name_the_failure(e, r.name, i, sample) from e
-            # NOTE: float32's largest is 3.4028235e38 (1e39 is inf in the trainer's tensor); NaN fails `<=`.
             if isinstance(value, bool) or not (isinstance(value, Real) and abs(value) <= 3.4028235e38):
                 raise _bad_value(value, r.name, i, sample)
             components[r.name].append(float(value))

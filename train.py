@@ -179,17 +179,15 @@ class Rollout:
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
-    """One GRPO step on this rank's B prompts: (metrics record, timings, the rollout). Under torchrun the
-    record is the same on every rank (global stats, rollout metrics averaged over the ranks)."""
+    """One GRPO step on this rank's B prompts: (metrics record, the same on every rank; timings; rollout)."""
     t0 = time.time()
     distributed.seed_rank_stream(args.seed, step, run.rank)  # torchrun: each rank its own sampling stream
     prompts = data.batch_for_step(
         run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
     )
     ro = rollout(run, prompts, args)  # sample -> mask -> rewards -> advantages
-    counts = {}
-    if args.dynamic_sampling:  # DAPO: only groups with a learning signal, topped up from more prompts
-        ro, counts = groups_with_signal(run, ro, step, args)
+    # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
+    ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
     t1 = time.time()
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
@@ -261,10 +259,9 @@ def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
 
     quantile = args.loss.top_entropy_quantile
     if args.num_iterations > 1 or quantile < 1:
-        entropy = quantile < 1
-        pairs = every_chunk(dict(options, return_entropy=entropy))  # the policy that sampled
+        pairs = every_chunk(dict(options, return_entropy=quantile < 1))  # the policy that sampled
         ro.old_logp = torch.cat([logp for logp, _ in pairs]) if args.num_iterations > 1 else None  # (N, T)
-        if entropy:
+        if quantile < 1:
             entropy = torch.cat([h for _, h in pairs])  # (N, T)
             pool = distributed.gather_tensor(entropy[ro.mask])  # the quantile is over the global batch
             ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, quantile, pool=pool)
@@ -288,9 +285,9 @@ def accumulate_policy_gradient(
         rows, adv, mask = chunk.rows, ro.adv[chunk.rows], ro.mask[chunk.rows]
         old_logp = ro.old_logp[rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
         ref_logp = ro.ref_logp[rows] if ro.ref_logp is not None else None
-        token_mask = ro.token_mask[rows] if ro.token_mask is not None else None
+        chosen = ro.token_mask[rows] if ro.token_mask is not None else None  # high-entropy tokens, or all
         loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, adv, mask, config, token_mask=token_mask, totals=totals
+            logp, old_logp, ref_logp, adv, mask, config, token_mask=chosen, totals=totals
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
@@ -303,8 +300,7 @@ def accumulate_policy_gradient(
 
 
 def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, float]:
-    """num_iterations optimizer steps on one rollout; the last one's loss statistics. A non-finite loss or
-    gradient norm skips the step (`skipped`); under torchrun every rank takes or skips it (summed first)."""
+    """mu optimizer steps on one rollout (the last one's stats); a non-finite loss or gradient skips it."""
     model, optimizer, params = run.model, run.optimizer, lora.lora_parameters(run.model)
     model.train()  # only LoRA dropout reacts to this; the base has no dropout
     skipped = ""
