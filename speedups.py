@@ -27,7 +27,7 @@ models it can see break this.
 import inspect
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -436,7 +436,7 @@ class SpeedConfig:
 class Plan:
     """A run's speed-ups, chosen once (`choose`), read by the step's three calls. All None: the plain path."""
 
-    config: SpeedConfig
+    config: SpeedConfig = field(default_factory=SpeedConfig)
     parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
     record_block: nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
 

@@ -154,7 +154,7 @@ class Run:
     accuracy_name: str = ""
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
-    speed: speedups.Plan = dataclasses.field(default_factory=lambda: speedups.Plan(speedups.SpeedConfig()))
+    speed: speedups.Plan = dataclasses.field(default_factory=speedups.Plan)  # the plain path unless chosen
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
 

@@ -2,7 +2,7 @@
 
     python scripts/bench.py --config tiny             # embedded tiny VLM
     python scripts/bench.py --config small --steps 2  # random Qwen2.5-VL: 12 blocks, K = 2, 224-pixel photos
-    python scripts/bench.py --quick                   # 1 step of tiny (the smoke test in tests/test_speed.py)
+    python scripts/bench.py --quick                   # 1 step of tiny: checks that every path runs
     python scripts/bench.py --memory                  # peak memory of completion log-probs, 151k vocabulary
     python scripts/bench.py --trl-python /tmp/venv-trl/bin/python   # also TRL's GRPOTrainer + PEFT LoRA
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -70,6 +70,7 @@ import tasks
 from scripts import outputs
 
 
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names, as train.py's: `--reward`, `--gate`
 @dataclass
 class Args:
     # --- model ---
@@ -95,8 +96,6 @@ class Args:
     """Number of built-in held-out samples."""
     max_prompt_length: int = 4096
     """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
-    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
-    """The frame the model writes coordinates in, for the grounding rewards, as train.py's --box-frame."""
     min_pixels: int | None = None
     """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's), as train.py."""
     max_pixels: int | None = None
@@ -117,16 +116,6 @@ class Args:
     seed: int = 0
     """Seeds sampling and the built-in task's samples."""
 
-    # --- rewards ---
-    reward: tuple[str, ...] = ()
-    """Reward names or plug-ins 'module:function', as in train.py. Default: by task (required with --data)."""
-    reward_weight: tuple[float, ...] = ()
-    """One weight per --reward (default 1.0 each)."""
-    gate: tuple[str, ...] = ()
-    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
-    accuracy_reward: str | None = None
-    """The reward whose value 1.0 means 'correct'. Default: the first --reward."""
-
     # --- output ---
     output: str = "runs/eval/predictions.jsonl"
     """Output JSONL (one line per sample). With --compare, <stem>.base.jsonl and <stem>.adapter.jsonl."""
@@ -136,6 +125,8 @@ class Args:
     """Does the model look at the images? Also evaluate the same samples with every image replaced by a grey
     one of the same size (blank) or with the images permuted across samples (shuffle), into
     <stem>.blank.jsonl / <stem>.shuffle.jsonl (each model of --compare too), reported beside the real ones."""
+    rewards: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
+    """Rewards, as train.py reads them (rewards.py); default: the built-in task's (required with --data)."""
 
 
 GROUND_TRUTH = ("label", "answer", "bbox", "boxes", "region", "count")
@@ -203,11 +194,11 @@ def generate(
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
-    names = args.reward or tasks.TASK_REWARDS.get(task, ())
+    names = args.rewards.reward or tasks.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     with cli.user_errors():
-        return rewards.rewards_from_flags(names, args.reward_weight, args.gate, builtins)
+        return rewards.rewards_from_flags(names, args.rewards.reward_weight, args.rewards.gate, builtins)
 
 
 @contextlib.contextmanager
@@ -416,14 +407,16 @@ def main(args: Args) -> dict[str, dict]:
     with cli.user_errors():  # data.py's messages name file:line
         samples, task = load_eval_samples(args)
     reward_fns = resolve_rewards(args, task)
-    accuracy_name = args.accuracy_reward or reward_fns[0].name
+    accuracy_name = args.rewards.accuracy_reward or reward_fns[0].name
     names = [r.name for r in reward_fns]
     cli.check(
         accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not among the rewards {names}"
     )
     model, tokenizer, image_processor = load_model(args, device)
     with cli.user_errors("--box-frame: "):
-        frame = grounding.resolve_frame(args.box_frame, model.config.model_type, image_processor, names)
+        frame = grounding.resolve_frame(
+            args.rewards.box_frame, model.config.model_type, image_processor, names
+        )
     with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
         data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
 

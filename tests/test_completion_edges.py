@@ -220,12 +220,9 @@ def test_box_frame_auto_reads_the_model_family_and_goes_only_to_rewards_that_rea
     assert grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["iou"]) == "absolute"
     assert grounding.resolve_frame("auto", "qwen2_vl", vision, ["label", "box_f1"]) == "relative1000"
     assert grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["my_rewards:fn"]) == "absolute"  # plug-ins
-    assert (
-        grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["label", "format"]) is None
-    )  # nobody reads it
-    assert (
-        grounding.resolve_frame("auto", "llava", vision, ["my_rewards:fn"]) is None
-    )  # unknown, not required
+    # Nobody reads coordinates; then an unknown family that no reward requires.
+    assert grounding.resolve_frame("auto", "qwen2_5_vl", vision, ["label", "format"]) is None
+    assert grounding.resolve_frame("auto", "llava", vision, ["my_rewards:fn"]) is None
     assert grounding.resolve_frame("auto", "qwen2_vl", None, ["iou"]) is None  # text-only
     assert grounding.resolve_frame("relative1000", "qwen2_5_vl", vision, ["iou"]) == "relative1000"
     with pytest.raises(ValueError, match="--box-frame"):

@@ -402,9 +402,8 @@ def test_negative_points_must_be_outside_the_region_and_within_the_margin():
     # (30, 5): on the edge -> bad (a negative prompt on the boundary says nothing).
     completion = "(20, 20) (35, 5) (4, 4) (50, 50) (5, 20) (30, 5)"
     assert negative_points(completion, {**REGION, "margin": 10}) == pytest.approx(3 / 6)
-    assert negative_points(completion, REGION) == pytest.approx(
-        4 / 6
-    )  # no margin: every point outside counts
+    # No margin: every point outside counts.
+    assert negative_points(completion, REGION) == pytest.approx(4 / 6)
     assert negative_points(completion, {**REGION, "margin": 9.9}) == pytest.approx(2 / 6)  # (20, 20) too far
 
 

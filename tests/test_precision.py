@@ -48,9 +48,8 @@ def image_batch(rows: int = 2, text: int = 24) -> dict[str, torch.Tensor]:
     """Each row: <vision_start> 4 image tokens <vision_end> `text` random tokens; one random image per row."""
     gen = torch.Generator().manual_seed(2)
     image = torch.tensor([VISION_START_ID, *[IMAGE_PAD_ID] * 4, VISION_END_ID]).expand(rows, -1)
-    input_ids = torch.cat(
-        [image, torch.randint(7, 384, (rows, text), generator=gen)], dim=1
-    )  # (rows, 6 + text)
+    words = torch.randint(7, 384, (rows, text), generator=gen)
+    input_ids = torch.cat([image, words], dim=1)  # (rows, 6 + text)
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),

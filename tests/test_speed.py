@@ -162,9 +162,8 @@ def test_rows_with_different_images_are_each_encoded_and_match_the_full_forward(
 
 def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
     model = make_random_causal_lm()
-    lora.inject_lora(
-        model, lora.LoRAConfig(lora_last_k=3, lora_r=2, lora_alpha=2.0)
-    )  # LoRA in blocks 1-3: block 1 is in a K = 2 trunk
+    # LoRA in blocks 1-3: block 1 is in a K = 2 trunk.
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=3, lora_r=2, lora_alpha=2.0))
     inputs, ids = text_inputs(group_size=3), hand_completions()
     _, blocks = lora.find_decoder_blocks(model)
     with pytest.raises(ValueError, match="trainable"):
@@ -364,9 +363,7 @@ def test_a_recorded_trunk_refuses_completions_with_image_placeholders():
 
 def test_a_recorded_rollout_in_micro_batches_gives_the_full_forward_logprobs():
     model, G = lora_model("vlm"), 3
-    args = train_args(
-        lora_last_k=K, group_size=G, temperature=1.0, micro_batch_size=4
-    )  # chunks of 4 + 2 rows
+    args = train_args(lora_last_k=K, group_size=G, temperature=1.0, micro_batch_size=4)  # chunks: 4 + 2 rows
     torch.manual_seed(0)
     ids, recording = speedups.sample_shared_prefill(
         model,

@@ -400,9 +400,7 @@ def test_trl_takes_the_entropy_quantile_per_micro_batch_and_train_py_over_the_ba
     batch_wide = grpo.high_entropy_mask(batch.entropy, batch.mask, 0.5)  # train.py's, over all N rows
     first = rows_of(batch, HALVES[0])
     micro_batch = grpo.high_entropy_mask(first.entropy, first.mask, 0.5)  # over the first micro-batch only
-    their_mask = trainer.get_high_entropy_mask(
-        first.entropy, first.mask, 1 - 0.5
-    )  # as `_compute_loss` calls it
+    their_mask = trainer.get_high_entropy_mask(first.entropy, first.mask, 1 - 0.5)  # as `_compute_loss` does
     assert torch.equal(their_mask, micro_batch)
     assert not torch.equal(micro_batch, batch_wide[HALVES[0]])
 

@@ -289,9 +289,7 @@ def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_mor
         assert len(groups) == 2  # always B groups trained
         live = [g for g in groups.values() if len({row["reward"] for row in g}) > 1]
         assert len(live) == record["dynamic/groups_kept"]
-        assert all(
-            int(g[0]["sample_id"].split("-")[-1]) % 2 == 1 for g in live
-        )  # even ids never carry signal
+        assert all(int(g[0]["sample_id"].split("-")[-1]) % 2 == 1 for g in live)  # even ids carry no signal
 
 
 def test_dynamic_sampling_stops_after_the_bounded_rounds_and_trains_on_what_there_is(tmp_path):
