@@ -6,6 +6,9 @@ Exit statuses (the same for every command of the project):
     2    a usage or input error (a bad flag, file, data line or reward plug-in): one message that names the
          flag or file:line:field, says what is wrong and how to fix it; no traceback. A reward plug-in that
          raises, or returns a non-number, is reported the same way (an exception with `user_message`)
+    74   an output could not be written (no space left, permission denied, read-only filesystem, a vanished
+         folder): one line naming the file and the cause; what was half-written is removed, the previous
+         checkpoint is intact, and the same command (train.py: `--resume DIR`) goes on once the cause is gone
     130  stopped by Ctrl-C or SIGTERM: after the current step and a checkpoint (the message says how to
          continue), or before anything was written (nothing is left behind)
 
@@ -13,23 +16,46 @@ A user's mistake is a `UsageError`; code that reads the user's input (flags, fil
 inside `user_errors()`, which turns the ValueError / OSError that data.py, rewards.py and model loading
 raise with their file:line messages into one. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped`
 at once while nothing needs finishing (loading, validation, the first evaluation), and into a request that
-the training loop honours after its current step once `defer()` has been called. Stdlib only.
+the training loop honours after its current step once `defer()` has been called. One writer per output:
+`hold_lock` takes an exclusive lock that the operating system releases when the process ends. Stdlib only.
 """
 
+import contextlib
+import json
+import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
+EXIT_WRITE = 74  # sysexits.h's EX_IOERR
 EXIT_STOPPED = 130
 
 
 class UsageError(ValueError):
     """A mistake of the user's: printed as one line without a traceback, exit status 2. A ValueError, so a
     caller that calls a command's `main` from Python catches it as the bad value it is."""
+
+
+class WriteFailed(Exception):
+    """An output could not be written (`writing`): printed as one line without a traceback, exit status 74."""
+
+
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Inside, an OSError (ENOSPC, EACCES, EROFS, ENOENT, ...) becomes WriteFailed naming `path` and the
+    cause. The caller removes what it half-wrote (an exception passes through its own `finally`/`except`)."""
+    try:
+        yield
+    except OSError as e:
+        cause = e.strerror or str(e) or type(e).__name__
+        where = e.filename if e.filename is not None else path
+        raise WriteFailed(f"cannot write {where}: {cause}") from e
 
 
 class Stopped(SystemExit):
@@ -60,6 +86,35 @@ def user_errors(prefix: str = "") -> Iterator[None]:
         if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in message:
             message = f"{e.filename}: {message}"
         raise UsageError(f"{prefix}{message}") from e
+
+
+def hold_lock(path: str | os.PathLike, what: str):
+    """Take the exclusive lock on the file `path` (created if missing) for the rest of this process's life, or
+    raise UsageError naming `what` and the holder (pid, host, start time). Keep the returned file open: the
+    lock is flock(2)'s, released by the kernel when the process ends however it ends (kill -9 included), so a
+    dead run never leaves a stale lock. The file then holds the holder's record; it is never deleted, because
+    a process could lock the unlinked file while a newcomer locks a new one at the same path."""
+    import fcntl  # POSIX; imported here so that the rest of this module imports everywhere
+
+    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the process's life)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = "holder unknown"  # it may not have written its record yet
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            record = json.loads(handle.read())
+            holder = f"pid {record['pid']} on {record['host']}, started {record['started']}"
+        handle.close()
+        raise UsageError(
+            f"{what} is in use by another process ({holder}); one writer at a time: wait for it to end, "
+            f"stop it, or choose another output"
+        ) from None
+    started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    handle.truncate(0)
+    handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
+    handle.flush()
+    return handle
 
 
 class Signals:
@@ -101,12 +156,16 @@ def signals() -> Iterator[Signals]:
 
 
 def run(main: Callable[[Any], Any], args: Any) -> None:
-    """Call main(args) as a command: exit 0, or print the user error / clean stop and exit 2 / 130."""
+    """Call main(args) as a command: exit 0, or print the user error / write failure / clean stop and exit
+    2 / 74 / 130."""
     try:
         main(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
+    except WriteFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_WRITE)
     except Stopped as e:
         print(f"\n{e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STOPPED)
