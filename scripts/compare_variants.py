@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -22,9 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while the imports run exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import cli
+from scripts import outputs
 
 VARIANTS = {  # name -> (label, flags)
     "grpo": ("GRPO (z-score, per-sequence mean)", "--loss-type grpo"),
@@ -108,14 +114,26 @@ def table(args: Args) -> str:
     return "\n".join(rows)
 
 
+def run_all(args: Args) -> None:
+    jobs = [(name, seed) for seed in args.seeds for name in args.variants]
+    with ThreadPoolExecutor(args.parallel) as pool:
+        list(pool.map(lambda job: run_one(args, *job), jobs))
+
+
 def main(args: Args) -> None:
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    """Run what is not finished (one process per --out: its lock is <out>/.lock), then print the table. A
+    Ctrl-C in the terminal reaches the runs too: each stops after its step with a checkpoint, then this
+    script exits 130; a rerun skips the finished runs."""
     if not args.table_only:
-        jobs = [(name, seed) for seed in args.seeds for name in args.variants]
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda job: run_one(args, *job), jobs))
+        with cli.signals(), outputs.claimed({"--out": [Path(args.out)]}, folder=True):
+            try:
+                run_all(args)
+            except cli.Stopped:
+                raise cli.Stopped(
+                    f"stopped; the finished runs are in {args.out}, a rerun skips them"
+                ) from None
     print(table(args))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli.run(main, tyro.cli(Args))
