@@ -68,15 +68,15 @@ def run_one(args: Args, name: str, seed: int) -> None:
     command = [sys.executable, str(ROOT / "train.py"), "--seed", str(seed), "--steps", str(args.steps)]
     command += ["--eval-every", "50", "--log-completions-every", "0", "--output-dir", str(out), "--overwrite"]
     command += VARIANTS[name][1].split() + list(args.extra_flags)
-    start = time.time()
-    with open(f"{out}.log", "w") as log:
-        subprocess.run(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            check=True,
-        )
+    start, log_path = time.time(), Path(f"{out}.log")
+    with open(log_path, "w") as log:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode == cli.EXIT_STOPPED:  # Ctrl-C reached the run too: it stopped cleanly
+        if not out.exists():
+            log_path.unlink()  # it wrote nothing: neither does this script
+        raise cli.Stopped(f"stopped; the finished runs are in {args.out}, a rerun skips them")
+    done.check_returncode()
     Path(f"{out}.time").write_text(f"{time.time() - start:.1f}\n")
 
 
