@@ -42,6 +42,12 @@ to `<stem>.compare.json`.
 Errors: a bad flag, a missing file, a malformed data line, a reward that cannot be loaded or fails on a sample
 (its ground truth missing or malformed), or an output written by another evaluation print one line
 `error: ...` naming the flag or file:line and exit with status 2 (cli.py); a bug keeps its traceback (1).
+
+Outputs (scripts/outputs.py): an output over an input (--data, --prompt-template, a plug-in's file, or inside
+--adapter / --model) is refused, even with --overwrite; one process per output file (a second one is refused
+at once, naming the holder; the lock is `.<output name>.lock` beside it); an output that cannot be written
+(read-only, full, no permission) is one line `error: cannot write FILE: <cause>`, status 74, found before
+the model loads when it can be. Ctrl-C or SIGTERM stops at once (status 130): every finished line is kept.
 """
 
 from __future__ import annotations

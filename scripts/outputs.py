@@ -2,11 +2,11 @@
 
 A script names what it reads and what it writes (`refuse_overwriting_inputs`): an output that is an input
 (the same path, a link to it, or a file inside an input folder) is refused before anything is written, even
-with --overwrite. `claimed` then makes the output's folder, checks that it can be written (a temporary file
-created and removed, so a read-only or vanished location fails before the slow work, not after it) and
-takes the output's lock (cli.hold_lock): `.<name>.lock` beside an output file, `.lock` inside an output
-folder (train.py's). A second process on the same output is refused at once, naming the holder; the lock
-files stay (hidden, a few bytes) because deleting one would let two processes lock two different files.
+with --overwrite. `claimed` then makes the output's folder, checks that it can be written (a small file
+written and removed, so a read-only, full or unwritable location fails before the slow work, not after it)
+and takes the output's lock (cli.hold_lock): `.<name>.lock` beside an output file, `.lock` inside an output
+folder (as in train.py's run folder). A second process on the same output is refused at once, naming the
+holder; the lock files stay (hidden, a few bytes): deleting one would let two processes lock two files.
 
 A script writes each item's line whole, flushed and fsynced before the next, so a kill tears at most the
 last line, and a failed write (disk full) is cut back off at once; a rerun of the same command cuts a torn
@@ -20,6 +20,7 @@ Imports the standard library and cli.py only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -52,8 +53,8 @@ def refuse_overwriting_inputs(writes: dict[str, list], reads: dict[str, list]) -
             for source in (p for p in in_paths if p is not None):
                 if same_or_inside(path, source):
                     raise cli.UsageError(
-                        f"{flag} {path} would write over {in_flag} {source} (an output never replaces an "
-                        f"input, even with --overwrite); give another {flag}"
+                        f"{flag} {path} would write over or into {in_flag} {source} (an output never "
+                        f"replaces an input, even with --overwrite); give another {flag}"
                     )
 
 
@@ -64,14 +65,18 @@ def plugin_files(specs) -> list[str]:
 
 
 def check_writable(path: Path, folder: bool = False) -> None:
-    """Make the folder of `path` (or `path`, an output folder) and create and remove a file in it; an
-    existing output file must be writable too. Raises cli.WriteFailed naming `path` and the cause."""
+    """Make the folder of `path` (or `path`, an output folder) and write, then remove, a small file in it (a
+    read-only, full or unwritable location fails here); an existing output file must be writable too. Raises
+    cli.WriteFailed naming `path` and the cause."""
     where = path if folder else path.parent
     try:
         where.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=where, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            os.write(fd, b"probe\n")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
         if not folder and path.exists() and not os.access(path, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
@@ -154,6 +159,8 @@ def append_line(f, record: dict) -> None:
         while written < len(line):
             written += os.write(fd, line[written:])
         os.fsync(fd)
+        if os.fstat(fd).st_nlink == 0:  # its folder was removed: the lines would go nowhere
+            raise FileNotFoundError(errno.ENOENT, "the file was removed while being written")
     except BaseException:  # an OSError, or a signal between two partial writes
         with contextlib.suppress(OSError):
             os.ftruncate(fd, start)
