@@ -177,9 +177,8 @@ def cache_errors(path: Path):
     except sqlite3.Error as e:
         if getattr(e, "sqlite_errorname", "").startswith(("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY")):
             raise cli.WriteFailed(f"cannot write {path}: {e}") from e  # a full disk: status 74, as any output
-        raise cli.UsageError(
-            f"--cache {path}: {e} (the reward cache); pass another --cache, or delete it to start afresh"
-        ) from e
+        fix = "wait for the program that holds it" if "locked" in str(e) else "delete it to start afresh"
+        raise cli.UsageError(f"--cache {path}: {e} (the reward cache); {fix}, or pass another --cache") from e
 
 
 def open_cache(path: Path) -> sqlite3.Connection:
