@@ -73,9 +73,7 @@ def run_one(args: Args, name: str, seed: int) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if done.returncode == cli.EXIT_STOPPED:  # Ctrl-C reached the run too: it stopped cleanly
-        if not out.exists():
-            log_path.unlink()  # it wrote nothing: neither does this script
-        raise cli.Stopped(f"stopped; the finished runs are in {args.out}, a rerun skips them")
+        raise cli.Stopped("stopped")
     done.check_returncode()
     Path(f"{out}.time").write_text(f"{time.time() - start:.1f}\n")
 
@@ -116,8 +114,17 @@ def table(args: Args) -> str:
 
 def run_all(args: Args) -> None:
     jobs = [(name, seed) for seed in args.seeds for name in args.variants]
-    with ThreadPoolExecutor(args.parallel) as pool:
+    pool = ThreadPoolExecutor(args.parallel)
+    try:
         list(pool.map(lambda job: run_one(args, *job), jobs))
+    except cli.Stopped:
+        pool.shutdown(cancel_futures=True)  # no new run starts; the running ones stop themselves
+        for name, seed in jobs:  # the log of a run that wrote nothing goes too
+            if not (Path(args.out) / f"{name}-s{seed}").exists():
+                Path(args.out, f"{name}-s{seed}.log").unlink(missing_ok=True)
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def main(args: Args) -> None:

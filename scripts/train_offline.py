@@ -33,6 +33,8 @@ Choices:
   policy prefers the higher-scored completions); val/margin, the group mean of mean_logp(best-scored) -
   mean_logp(worst-scored), reported only.
 - Adaptive KL (a per-step beta) and normalize_then_sum (several rewards) have no meaning here: refused.
+- One process per --output-dir (its lock: <output-dir>/.lock, as train.py's); an --output-dir that holds
+  --data / --val-data or is inside --model is refused; a failed write is one line, status 74 (cli.py).
 """
 
 from __future__ import annotations
