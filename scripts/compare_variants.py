@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -22,9 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while the imports run exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import cli
+from scripts import outputs
 
 VARIANTS = {  # name -> (label, flags)
     "grpo": ("GRPO (z-score, per-sequence mean)", "--loss-type grpo"),
@@ -62,15 +68,13 @@ def run_one(args: Args, name: str, seed: int) -> None:
     command = [sys.executable, str(ROOT / "train.py"), "--seed", str(seed), "--steps", str(args.steps)]
     command += ["--eval-every", "50", "--log-completions-every", "0", "--output-dir", str(out), "--overwrite"]
     command += VARIANTS[name][1].split() + list(args.extra_flags)
-    start = time.time()
-    with open(f"{out}.log", "w") as log:
-        subprocess.run(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            check=True,
-        )
+    start, log_path = time.time(), Path(f"{out}.log")
+    with open(log_path, "w") as log:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode == cli.EXIT_STOPPED:  # Ctrl-C reached the run too: it stopped cleanly
+        raise cli.Stopped("stopped")
+    done.check_returncode()
     Path(f"{out}.time").write_text(f"{time.time() - start:.1f}\n")
 
 
@@ -108,14 +112,35 @@ def table(args: Args) -> str:
     return "\n".join(rows)
 
 
+def run_all(args: Args) -> None:
+    jobs = [(name, seed) for seed in args.seeds for name in args.variants]
+    pool = ThreadPoolExecutor(args.parallel)
+    try:
+        list(pool.map(lambda job: run_one(args, *job), jobs))
+    except cli.Stopped:
+        pool.shutdown(cancel_futures=True)  # no new run starts; the running ones stop themselves
+        for name, seed in jobs:  # the log of a run that wrote nothing goes too
+            if not (Path(args.out) / f"{name}-s{seed}").exists():
+                Path(args.out, f"{name}-s{seed}.log").unlink(missing_ok=True)
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 def main(args: Args) -> None:
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    """Run what is not finished (one process per --out: its lock is <out>/.lock), then print the table. A
+    Ctrl-C in the terminal reaches the runs too: each stops after its step with a checkpoint, then this
+    script exits 130; a rerun skips the finished runs."""
     if not args.table_only:
-        jobs = [(name, seed) for seed in args.seeds for name in args.variants]
-        with ThreadPoolExecutor(args.parallel) as pool:
-            list(pool.map(lambda job: run_one(args, *job), jobs))
+        with cli.signals(), outputs.claimed({"--out": [Path(args.out)]}, folder=True):
+            try:
+                run_all(args)
+            except cli.Stopped:
+                raise cli.Stopped(
+                    f"stopped; the finished runs are in {args.out}, a rerun skips them"
+                ) from None
     print(table(args))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    cli.run(main, tyro.cli(Args))

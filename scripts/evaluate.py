@@ -42,17 +42,27 @@ to `<stem>.compare.json`.
 Errors: a bad flag, a missing file, a malformed data line, a reward that cannot be loaded or fails on a sample
 (its ground truth missing or malformed), or an output written by another evaluation print one line
 `error: ...` naming the flag or file:line and exit with status 2 (cli.py); a bug keeps its traceback (1).
+
+Outputs (scripts/outputs.py): an output over an input (--data, --prompt-template, a plug-in's file, or inside
+--adapter / --model) is refused, even with --overwrite; one process per output file (a second one is refused
+at once, naming the holder; the lock is `.<output name>.lock` beside it); an output that cannot be written
+(read-only, full, no permission) is one line `error: cannot write FILE: <cause>`, status 74, found before
+the model loads when it can be. Ctrl-C or SIGTERM stops at once (status 130): every finished line is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import torch
 import tyro
 
@@ -296,7 +306,9 @@ def evaluate_to_file(
     is_done = [(s["_source"], s["_id"]) in done for s in samples]
     print(f"{path}: {sum(is_done)} of {len(samples)} samples already done")
     bs = args.batch_size
-    with path.open("a", encoding="utf-8") as f:
+    with cli.writing(path):
+        f = path.open("a", encoding="utf-8")
+    with f:
         for index, start in enumerate(range(0, len(samples), bs)):
             batch, batch_done = samples[start : start + bs], is_done[start : start + bs]
             if all(batch_done):
@@ -307,10 +319,12 @@ def evaluate_to_file(
                 if not written:
                     with reward_errors(sample):
                         record = score_sample(sample, completions, reward_fns, accuracy_name)
-                    outputs.append_line(f, record)
+                    with cli.writing(path):
+                        outputs.append_line(f, record)
             print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)
     summary = summarise(read_resumable(path))
-    outputs.write_json_atomic(path.with_suffix(".summary.json"), summary)
+    with cli.writing(path.with_suffix(".summary.json")):
+        outputs.write_json_atomic(path.with_suffix(".summary.json"), summary)
     return summary
 
 
@@ -381,8 +395,14 @@ def check_args(args: Args) -> None:
         cli.check(
             config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
         )
+    written = []
     for _, path, _, _ in planned_runs(args):
         cli.check(not path.is_dir(), "--output", f"{path} is a folder; give a .jsonl file")
+        written += [path, path.with_suffix(".settings.json"), path.with_suffix(".summary.json")]
+    written += [Path(args.output).with_suffix(".compare.json")] if args.compare else []
+    read = {"--data": args.data, "--prompt-template": [args.prompt_template], "--adapter": [args.adapter]}
+    read.update({"--model": [args.model] if Path(args.model).is_dir() else []})
+    outputs.refuse_overwriting_inputs({"--output": written}, {**read, "--reward": reward_files(args)})
 
 
 def load_model(args: Args, device: torch.device):
@@ -400,8 +420,11 @@ def load_model(args: Args, device: torch.device):
     return model.eval(), tokenizer, image_processor
 
 
-def main(args: Args) -> dict[str, dict]:
-    check_args(args)
+def reward_files(args: Args) -> list[str]:
+    return outputs.plugin_files(args.rewards.reward)
+
+
+def evaluate(args: Args) -> dict[str, dict]:
     with cli.user_errors():
         device = distributed.resolve_device(args.device)
     with cli.user_errors():  # data.py's messages name file:line
@@ -423,7 +446,7 @@ def main(args: Args) -> dict[str, dict]:
     summaries = {}
     for name, path, adapter_on, ablation in planned_runs(args):
         settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation, frame)
-        with cli.user_errors():
+        with cli.user_errors(), cli.writing(path.with_suffix(".settings.json")):
             outputs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
         with cli.user_errors():
             ablated = data.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
@@ -445,8 +468,23 @@ def main(args: Args) -> dict[str, dict]:
     print_table(summaries)
     if args.compare:
         report = {**summaries, "args": dataclasses.asdict(args)}
-        outputs.write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
+        with cli.writing(Path(args.output).with_suffix(".compare.json")):
+            outputs.write_json_atomic(Path(args.output).with_suffix(".compare.json"), report)
     return summaries
+
+
+def main(args: Args) -> dict[str, dict]:
+    """Evaluate into --output. A bad flag, an output that is an input, or an output another process writes
+    is refused before anything is loaded or written."""
+    check_args(args)
+    with cli.signals(), outputs.claimed({"--output": [path for _, path, _, _ in planned_runs(args)]}):
+        try:
+            return evaluate(args)
+        except cli.Stopped:  # Ctrl-C / SIGTERM stop at once: every finished line is already on disk
+            raise cli.Stopped(
+                f"stopped; every finished sample is in {args.output} (or its --compare / ablation files): "
+                "run the same command to continue"
+            ) from None
 
 
 if __name__ == "__main__":

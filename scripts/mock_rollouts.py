@@ -23,8 +23,10 @@ label, answer; no images, which scoring does not need), so that the whole loop r
 `write_scored_demo` writes pre-scored groups of the same task, with their images, for
 `scripts/train_offline.py --demo`.
 
-A bad flag, a missing prompts file or a malformed prompts line prints one line `error: ...` naming the flag
-or file:line and exits with status 2 (cli.py).
+A bad flag, a missing prompts file, a malformed prompts line or an --output that is --prompts prints one line
+`error: ...` naming the flag or file:line and exits with status 2 (cli.py); a file that cannot be written,
+`error: cannot write FILE: <cause>` and status 74. Each file is written whole (beside it, then renamed), so
+it takes no lock: two runs at once leave one whole file or the other.
 """
 
 from __future__ import annotations
@@ -32,15 +34,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while the imports run exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cli
 import tasks
+from scripts import outputs
 
 
 @dataclass
@@ -171,10 +177,10 @@ def read_prompts(path: str) -> list[dict]:
 
 
 def write_jsonl(path: str, records: list[dict]) -> None:
+    """Write the whole file at once (outputs.write_text_atomic): no lock needed, a second writer at the same
+    time leaves one whole file or the other."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp"
-    Path(tmp).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, path)
+    outputs.write_text_atomic(Path(path), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def check_args(args: Args) -> None:
@@ -191,6 +197,8 @@ def check_args(args: Args) -> None:
     )
     for flag, path in (("--prompts", args.prompts), ("--output", args.output)):
         cli.check(not Path(path).is_dir(), flag, f"{path} is a folder; give a .jsonl file")
+    # --prompts is an input, or with --write-prompts an output: either way not the file --output replaces
+    outputs.refuse_overwriting_inputs({"--output": [args.output]}, {"--prompts": [args.prompts]})
     if n is None:
         cli.check(
             Path(args.prompts).is_file(),
@@ -201,15 +209,25 @@ def check_args(args: Args) -> None:
 
 def main(args: Args) -> list[dict]:
     check_args(args)
+    with cli.signals():
+        try:
+            return write_files(args)
+        except cli.Stopped:
+            raise cli.Stopped(
+                "stopped; no file is half-written (each is written whole or not at all)"
+            ) from None
+
+
+def write_files(args: Args) -> list[dict]:
     if args.write_prompts:
         prompts = builtin_prompts(args.write_prompts, args.seed)
-        with cli.user_errors("--prompts: "):  # e.g. a folder that cannot be written
+        with cli.writing(args.prompts):  # e.g. a folder that cannot be written
             write_jsonl(args.prompts, prompts)
         print(f"wrote {args.write_prompts} prompts to {args.prompts}")
     with cli.user_errors("--prompts: "):  # unreadable or not UTF-8
         prompts = read_prompts(args.prompts)
     lines = mock_rollouts(prompts, args)
-    with cli.user_errors("--output: "):
+    with cli.writing(args.output):
         write_jsonl(args.output, lines)
     counts = {k: sum(line["meta"]["kind"] == k for line in lines) for k in ("correct", "wrong", "malformed")}
     print(f"wrote {len(lines)} candidates to {args.output}: {counts}")

@@ -1,18 +1,115 @@
-"""Resumable JSONL outputs of the scripts (evaluate.py, summarize_photos.py): one line per finished item.
+"""The scripts' outputs: never over an input, one writer each, whole lines only, resumable JSONL.
+
+A script names what it reads and what it writes (`refuse_overwriting_inputs`): an output that is an input
+(the same path, a link to it, or a file inside an input folder) is refused before anything is written, even
+with --overwrite. `claimed` then makes the output's folder, checks that it can be written (a small file
+written and removed, so a read-only, full or unwritable location fails before the slow work, not after it)
+and takes the output's lock (cli.hold_lock): `.<name>.lock` beside an output file, `.lock` inside an output
+folder (as in train.py's run folder). A second process on the same output is refused at once, naming the
+holder; the lock files stay (hidden, a few bytes): deleting one would let two processes lock two files.
 
 A script writes each item's line whole, flushed and fsynced before the next, so a kill tears at most the
-last line; a rerun of the same command cuts that line off, skips the items already written and appends the
-rest. `<output stem>.settings.json` records what decides the results, so that a rerun with other settings
-is refused instead of mixing two runs in one file.
+last line, and a failed write (disk full) is cut back off at once; a rerun of the same command cuts a torn
+line off, skips the items already written and appends the rest. `<output stem>.settings.json` records what
+decides the results, so that a rerun with other settings is refused instead of mixing two runs in one file.
+Whole files are written beside their path and renamed over it: the old file or the new one, never half.
 
-Imports the standard library only.
+Imports the standard library and cli.py only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import cli
+
+
+def same_or_inside(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether `a` and `b` are one file (through a symbolic or hard link too) or one is inside the other."""
+    real_a, real_b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
+    if real_a == real_b or real_a in real_b.parents or real_b in real_a.parents:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def refuse_overwriting_inputs(writes: dict[str, list], reads: dict[str, list]) -> None:
+    """cli.UsageError naming both flags if an output (flag -> paths) is an input, holds one or is inside
+    one, or two outputs are one file. None entries are skipped."""
+    named = [(flag, path) for flag, paths in writes.items() for path in paths if path is not None]
+    for i, (flag, path) in enumerate(named):
+        for other, given in named[:i]:
+            if same_or_inside(path, given):
+                raise cli.UsageError(f"{flag} {path} is the same file as {other} {given}; give another one")
+        for in_flag, in_paths in reads.items():
+            for source in (p for p in in_paths if p is not None):
+                if same_or_inside(path, source):
+                    raise cli.UsageError(
+                        f"{flag} {path} would write over or into {in_flag} {source} (an output never "
+                        f"replaces an input, even with --overwrite); give another {flag}"
+                    )
+
+
+def plugin_files(specs) -> list[str]:
+    """The files of reward plug-ins given as `path/to/file.py:function` (inputs too)."""
+    files = [spec.rpartition(":")[0] for spec in specs if ":" in spec]
+    return [f for f in files if f.endswith(".py") or os.sep in f]
+
+
+def check_writable(path: Path, folder: bool = False) -> None:
+    """Make the folder of `path` (or `path`, an output folder) and write, then remove, a small file in it (a
+    read-only, full or unwritable location fails here); an existing output file must be writable too. Raises
+    cli.WriteFailed naming `path` and the cause."""
+    where = path if folder else path.parent
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".probe-")
+        try:
+            os.write(fd, b"probe\n")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+        if not folder and path.exists() and not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise cli.WriteFailed(f"cannot write {path}: {e.strerror or e}") from e
+
+
+@contextlib.contextmanager
+def claimed(paths: dict[str, list[Path]], folder: bool = False) -> Iterator[None]:
+    """Check that each output (flag -> paths; output folders if `folder`) can be written and hold its lock
+    for the `with` block. If the block raises, each folder made here is removed again when it holds nothing
+    but locks: a failed or stopped start leaves nothing behind."""
+    wheres = [path if folder else path.parent for flag_paths in paths.values() for path in flag_paths]
+    made = {d: None for where in wheres for d in (where, *where.parents) if not d.exists()}
+    locks = []
+    try:
+        for flag, flag_paths in paths.items():
+            for path in flag_paths:
+                check_writable(path, folder)
+                lock = path / ".lock" if folder else path.with_name(f".{path.name}.lock")
+                locks.append(cli.hold_lock(lock, f"{flag} {path}"))
+        yield
+    except BaseException:
+        for handle in locks:
+            handle.close()
+        for folder_made in sorted(made, key=lambda d: len(d.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                for lock in folder_made.glob(".*lock"):
+                    lock.unlink()
+                folder_made.rmdir()  # fails, and keeps the folder, when anything else is in it
+        raise
+    finally:
+        for handle in locks:
+            handle.close()
 
 
 def read_resumable(path: Path, key: str, producer: str) -> list[dict]:
@@ -50,17 +147,40 @@ def read_resumable(path: Path, key: str, producer: str) -> list[dict]:
 
 
 def append_line(f, record: dict) -> None:
-    """Write one complete line to an open file, then flush and fsync: a crash tears at most this line."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """Append one complete line to the open file `f`, then fsync: a crash tears at most this line. The bytes
+    go to the file descriptor directly, so a write that fails (disk full) is cut back off the file here,
+    never flushed later: the file ends with a whole line whatever happens."""
     f.flush()
-    os.fsync(f.fileno())
+    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    fd = f.fileno()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = 0
+        while written < len(line):
+            written += os.write(fd, line[written:])
+        os.fsync(fd)
+        if os.fstat(fd).st_nlink == 0:  # its folder was removed: the lines would go nowhere
+            raise FileNotFoundError(errno.ENOENT, "the file was removed while being written")
+    except BaseException:  # an OSError, or a signal between two partial writes
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write beside `path`, then rename over it: a kill leaves the old file or the new one, never half, and a
+    failed write (or a signal) removes its temporary file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write beside `path`, then rename over it: a kill leaves the old file or the new one, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, ensure_ascii=False, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, ensure_ascii=False, indent=2) + "\n")
 
 
 def check_settings(path: Path, settings: dict, overwrite: bool, companions: tuple[str, ...] = ()) -> None:

@@ -33,24 +33,35 @@ Choices:
   the output) under a hash of (reward name, prompt_id, text, the prompt record), so a rerun calls no reward
   function, and a changed ground truth is not served stale values. A changed plug-in is not detected:
   delete the cache file. Rewards that need token counts (`completion_length`) are not supported here.
+- Cache errors are the cache's: an sqlite error (not a database, locked by another program) or a stored
+  value that is not a number names --cache, never the reward being computed when it happens.
 - Errors: a missing file, a malformed prompts line, a reward that cannot be loaded, an unreadable cache or a
-  bad flag print one line `error: ...` naming the flag or file:line and exit with status 2 (cli.py).
+  bad flag print one line `error: ...` naming the flag or file:line and exit with status 2 (cli.py). So does
+  a run that scores no line, or finds more than half of its lines bad: it writes nothing (a previous output
+  is kept) and prints every bad line, then the count and the first reasons.
+- Outputs (scripts/outputs.py): --output, --report or --cache over an input (or over each other) is refused;
+  one process at a time per output (`.<name>.lock` beside each); an output location that cannot be written
+  is found before any reward is computed: one line `error: cannot write ...`, status 74.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import numbers
 import os
+import signal
 import sqlite3
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import torch
 import tyro
 
@@ -59,6 +70,7 @@ import cli
 import grounding
 import grpo
 import rewards
+from scripts import outputs
 
 
 @dataclass
@@ -156,33 +168,53 @@ def default_rewards(prompts: dict[str, dict]) -> tuple[str, ...]:
 # Reward cache
 
 
-def open_cache(path: Path) -> sqlite3.Connection:
-    path.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def cache_errors(path: Path):
+    """An sqlite error (another file at that path, "database is locked" by another program, a full disk) is
+    the cache's, named as such: never blamed on the reward being computed when it happens."""
     try:
+        yield
+    except sqlite3.Error as e:
+        if getattr(e, "sqlite_errorname", "").startswith(("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY")):
+            raise cli.WriteFailed(f"cannot write {path}: {e}") from e  # a full disk: status 74, as any output
+        fix = "wait for the program that holds it" if "locked" in str(e) else "delete it to start afresh"
+        raise cli.UsageError(f"--cache {path}: {e} (the reward cache); {fix}, or pass another --cache") from e
+
+
+def open_cache(path: Path) -> sqlite3.Connection:
+    with cache_errors(path):
         conn = sqlite3.connect(path)
         conn.execute("CREATE TABLE IF NOT EXISTS reward (key TEXT PRIMARY KEY, value REAL NOT NULL)")
-    except sqlite3.DatabaseError as e:  # e.g. another file at that path: sqlite says "file is not a database"
-        raise cli.UsageError(
-            f"--cache {path}: not a reward cache ({e}); delete it or pass another --cache"
-        ) from e
     return conn
 
 
-def cached(reward: rewards.Reward, conn: sqlite3.Connection, stats: collections.Counter) -> rewards.Reward:
+def is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def cached(reward: rewards.Reward, conn: sqlite3.Connection, stats: collections.Counter, path: Path):
     """The same reward, its function answered from the cache when (name, prompt, text) was seen before."""
 
     def fn(completion: str, sample: dict) -> float:
         prompt = json.dumps(sample, sort_keys=True, ensure_ascii=False)
         key = hashlib.sha256(json.dumps([reward.name, prompt, completion]).encode()).hexdigest()
-        row = conn.execute("SELECT value FROM reward WHERE key = ?", (key,)).fetchone()
+        with cache_errors(path):
+            row = conn.execute("SELECT value FROM reward WHERE key = ?", (key,)).fetchone()
         if row is not None:
+            # NOTE: sqlite keeps whatever was put in a REAL column; a poisoned row is the cache's fault.
+            cli.check(
+                is_number(row[0]),
+                f"--cache {path}",
+                f"holds {row[0]!r} for reward {reward.name!r}, not a "
+                "number; delete the file (it is rebuilt) or pass another --cache",
+            )
             stats["hits"] += 1
             return row[0]
         stats["misses"] += 1
         value = reward.fn(completion, sample)
-        # Only finite numbers are stored; anything else is passed on for rewards.score to reject.
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-            conn.execute("INSERT OR REPLACE INTO reward VALUES (?, ?)", (key, float(value)))
+        if is_number(value):  # anything else is passed on for rewards.score to reject
+            with cache_errors(path):
+                conn.execute("INSERT OR REPLACE INTO reward VALUES (?, ?)", (key, float(value)))
         return value
 
     return dataclasses.replace(reward, fn=fn)
@@ -199,6 +231,8 @@ def score_lines(good, prompts, reward_fns) -> tuple[list[tuple[int, dict]], list
         sample = prompts[str(record["prompt_id"])]
         try:
             s = rewards.score([record["text"]], [sample], reward_fns)
+        except cli.UsageError:  # the cache's, not the line's
+            raise
         except (ValueError, KeyError) as e:
             bad.append({"line": lineno, "reason": f"reward failed: {type(e).__name__}: {e}"})
             continue
@@ -260,13 +294,6 @@ def build_report(records, groups, bad, n_lines, group_size: int | None, cache_st
     }
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def output_paths(args: Args) -> tuple[Path, Path, Path]:
     rollouts = Path(args.rollouts)
     output = Path(args.output) if args.output else rollouts.with_suffix(".scored.jsonl")
@@ -284,6 +311,14 @@ def check_args(args: Args) -> tuple[Path, Path, Path]:
     paths = output_paths(args)
     for flag, path in zip(("--output", "--report", "--cache"), paths):
         cli.check(not path.is_dir(), flag, f"{path} is a folder; give a file")
+    outputs.refuse_overwriting_inputs(
+        dict(zip(("--output", "--report", "--cache"), ([p] for p in paths))),
+        {
+            "--rollouts": [args.rollouts],
+            "--prompts": [args.prompts],
+            "--reward": outputs.plugin_files(args.reward),
+        },
+    )
     return paths
 
 
@@ -296,30 +331,63 @@ def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Rewar
         )
 
 
-def main(args: Args) -> dict:
-    output, report_path, cache_path = check_args(args)
+def score(args: Args, output: Path, report_path: Path, cache_path: Path) -> dict:
     with cli.user_errors("--prompts: "):  # unreadable or not UTF-8
         prompts = read_prompts(args.prompts)
     reward_fns = reward_functions(args, prompts)
     with cli.user_errors("--rollouts: "):
         good, bad, n_lines = parse_rollouts(args.rollouts, prompts)
     conn, cache_stats = open_cache(cache_path), collections.Counter(hits=0, misses=0)
+    fns = [cached(r, conn, cache_stats, cache_path) for r in reward_fns]
     try:
-        scored, reward_bad = score_lines(good, prompts, [cached(r, conn, cache_stats) for r in reward_fns])
-        conn.commit()
-    finally:
+        scored, reward_bad = score_lines(good, prompts, fns)
+    finally:  # the values computed so far are kept, after a stop too: a rerun does not compute them again
+        with cache_errors(cache_path):
+            conn.commit()
         conn.close()
     records = [record for _, record in scored]
     groups = add_advantages(records)
     report = build_report(records, groups, bad + reward_bad, n_lines, args.group_size, cache_stats)
-    write_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    write_atomic(report_path, json.dumps(report, ensure_ascii=False, indent=2) + "\n")
     for b in report["bad_lines"]:
         print(f"{args.rollouts}:{b['line']}: {b['reason']}", file=sys.stderr)
+    check_mostly_scored(report, args.rollouts)
+    with cli.writing(output):
+        outputs.write_text_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    with cli.writing(report_path):
+        outputs.write_json_atomic(report_path, report)
     brief = {k: report[k] for k in ("counts", "reward_mean", "component_means", "frac_zero_std_groups")}
     print(json.dumps({**brief, "cache": report["cache"]}, ensure_ascii=False))
     print(f"wrote {output} and {report_path}")
     return report
+
+
+def check_mostly_scored(report: dict, rollouts: str) -> None:
+    """Scoring nothing, or more than half of the lines bad, is a failure, not a success: cli.UsageError
+    (status 2) with the count and the first reasons, and no output is written (a previous one is kept)."""
+    counts, bad = report["counts"], report["bad_lines"]
+    if counts["scored"] and counts["bad"] <= counts["lines"] / 2:
+        return
+    reasons = list(dict.fromkeys(b["reason"] for b in bad))[:2]  # the first two different ones
+    first = f"first: {'; '.join(reasons)}" if reasons else "the file holds no lines"
+    raise cli.UsageError(
+        f"--rollouts {rollouts}: {counts['scored']} of {counts['lines']} lines scored, {counts['bad']} bad "
+        f"({first}); nothing written" + (" (every bad line is printed above)" if bad else "")
+    )
+
+
+def main(args: Args) -> dict:
+    """Score --rollouts into --output and --report. A bad flag, an output that is an input, an output
+    another process writes or that cannot be written is refused before any reward is computed."""
+    paths = check_args(args)
+    claims = dict(zip(("--output", "--report", "--cache"), ([p] for p in paths)))
+    with cli.signals(), outputs.claimed(claims):
+        try:
+            return score(args, *paths)
+        except cli.Stopped:
+            raise cli.Stopped(
+                f"stopped; no output was written (the rewards computed so far are kept in {paths[2]}, so the "
+                "same command does not compute them again)"
+            ) from None
 
 
 if __name__ == "__main__":

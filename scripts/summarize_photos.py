@@ -36,9 +36,11 @@ Output, one line per group (the keys in this order; `label` only with --labels):
 Bad groups: an unreadable photo, a group folder without photos, a group id found twice, a label missing or
 given twice (with --labels) and an empty summary stop the run with one line naming the group and the file
 (status 2); with --skip-bad-groups the group is printed, left out of the output, counted in the last line and
-listed in `<output stem>.skipped.json`. NOTE: an empty summary (the model ends at once) is not retried: a
-greedy retry gives the same, a sampled one would make the line depend on how many tries ran; it is never
-written as "" either (stage B would read a photo without a description). Change the prompt or skip.
+listed in `<output stem>.skipped.json`; a run that leaves no group in the output, or skips more than half of
+them, still ends with status 2 (the count and the first reasons). NOTE: an empty summary (the model ends at
+once) is not retried: a greedy retry gives the same, a sampled one would make the line depend on how many
+tries ran; it is never written as "" either (stage B would read a photo without a description). Change the
+prompt or skip.
 
 Batches: --batch-size photos per forward, whole groups packed together (a group larger than a batch gets
 batches of its own), so the batches are the same on every run: a resumed run computes exactly what an
@@ -51,6 +53,10 @@ skipped: after checking that their photos and label are still the ones the line 
 `<output stem>.settings.json` records what decides the summaries; a rerun with other settings into the same
 file is refused (pass --overwrite or another --output). Ctrl-C or SIGTERM stops at once (status 130): every
 finished group is in the file, and the same command continues.
+
+Outputs (scripts/outputs.py): one process per --output (a second one is refused naming the holder; the lock
+is `.<output name>.lock` beside it); an output inside --photos or over another input is refused; an output
+that cannot be written (read-only, no space, no permission) is one line `error: cannot write ...`, status 74.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -68,6 +75,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import torch
 import tyro
 
@@ -488,7 +497,8 @@ def finish_group(f, group: Group, results: list[tuple[str, bool]], args: Args, s
         reject(skipped, args.skip_bad_groups, group.id, "empty summary", message)
         return False
     record = group_record(group, results, args.stage_b_prompt, Path(args.output).parent.resolve())
-    outputs.append_line(f, record)
+    with cli.writing(args.output):
+        outputs.append_line(f, record)
     return True
 
 
@@ -498,7 +508,9 @@ def summarise_groups(model, tokenizer, image_processor, groups, done, prompt, ar
     todo = [i for i, b in enumerate(batches) if any(groups[g].id not in done for g, _, _ in b)]
     stats = {"written": 0, "photos_summarised": 0, "truncated": 0}
     pending: dict[int, list[tuple[str, bool]]] = {}  # group index -> results of its photos so far
-    with Path(args.output).open("a", encoding="utf-8") as f:
+    with cli.writing(args.output):
+        f = Path(args.output).open("a", encoding="utf-8")  # noqa: SIM115 (closed by the `with f` below)
+    with f:
         for n, index in enumerate(todo, start=1):
             torch.manual_seed(args.seed * 1_000_000 + index)  # the draws depend on --seed and the batch only
             pieces = batches[index]
@@ -560,6 +572,11 @@ def check_args(args: Args) -> None:
     cli.check(ok, "--temperature", f"must be >= 0 (0: greedy), got {args.temperature}")
     cli.check(bool(args.stage_b_prompt.strip()), "--stage-b-prompt", "must not be empty")
     cli.check(not Path(args.output).is_dir(), "--output", f"{args.output} is a folder; give a .jsonl file")
+    out = Path(args.output)
+    written = [out, out.with_suffix(".settings.json"), out.with_suffix(".skipped.json")]
+    read = {"--photos": [args.photos], "--prompt-template": [args.prompt_template], "--labels": [args.labels]}
+    read.update({"--adapter": [args.adapter], "--model": [args.model] if Path(args.model).is_dir() else []})
+    outputs.refuse_overwriting_inputs({"--output": written}, read)
 
 
 def read_prompt(path: str) -> str:
@@ -583,7 +600,9 @@ def summarise(args: Args) -> dict:
         join_labels(groups, labels, Path(args.labels), skipped)
     path = Path(args.output)
     with cli.user_errors():
-        outputs.check_settings(path, settings_of(args, prompt), args.overwrite, companions=(".skipped.json",))
+        with cli.writing(path.with_suffix(".settings.json")):
+            settings = settings_of(args, prompt)
+            outputs.check_settings(path, settings, args.overwrite, companions=(".skipped.json",))
         done = {r["group_id"]: r for r in outputs.read_resumable(path, "group_id", "summarize_photos.py")}
     check_done(done, groups, path)
     todo = [g for g in groups if g.id not in done]
@@ -603,7 +622,8 @@ def summarise(args: Args) -> dict:
             model, tokenizer, image_processor, groups, done, prompt, args, device, skipped
         )
     report = {"groups": skipped, "unmatched_photos": [str(p) for p in unmatched]}
-    outputs.write_json_atomic(path.with_suffix(".skipped.json"), report)
+    with cli.writing(path.with_suffix(".skipped.json")):
+        outputs.write_json_atomic(path.with_suffix(".skipped.json"), report)
     stats.update(
         already_done=len(groups) - len(todo),
         skipped=dict(collections.Counter(s["reason"] for s in skipped)),
@@ -612,7 +632,21 @@ def summarise(args: Args) -> dict:
         seconds=time.time() - start,
     )
     print(summary_line(path, stats))
+    check_mostly_done(stats, skipped, path)
     return stats
+
+
+def check_mostly_done(stats: dict, skipped: list[dict], path: Path) -> None:
+    """A run that leaves no group in the output, or skips more than half of its groups, is a failure, not
+    a success: cli.UsageError (status 2) with the count and the first reasons (the output keeps its lines)."""
+    kept = stats["written"] + stats["already_done"]
+    if kept and len(skipped) <= (kept + len(skipped)) / 2:
+        return
+    first = "; ".join(s["message"] for s in skipped[:2])
+    raise cli.UsageError(
+        f"--photos: {len(skipped)} of {kept + len(skipped)} groups skipped, {kept} in {path} (first: "
+        f"{first}); every skipped group is listed in {path.with_suffix('.skipped.json')}"
+    )
 
 
 def summary_line(path: Path, stats: dict) -> str:
@@ -630,7 +664,8 @@ def summary_line(path: Path, stats: dict) -> str:
 def main(args: Args) -> dict:
     """Summarise every group of --photos into --output; returns the counts of the last line."""
     check_args(args)
-    with cli.signals():  # Ctrl-C / SIGTERM stop at once: every finished group is already on disk
+    # Ctrl-C / SIGTERM stop at once: every finished group is already on disk
+    with cli.signals(), outputs.claimed({"--output": [Path(args.output)]}):
         try:
             return summarise(args)
         except cli.Stopped:

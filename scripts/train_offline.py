@@ -33,6 +33,8 @@ Choices:
   policy prefers the higher-scored completions); val/margin, the group mean of mean_logp(best-scored) -
   mean_logp(worst-scored), reported only.
 - Adaptive KL (a per-step beta) and normalize_then_sum (several rewards) have no meaning here: refused.
+- One process per --output-dir (its lock: <output-dir>/.lock, as train.py's); an --output-dir that holds
+  --data / --val-data or is inside --model is refused; a failed write is one line, status 74 (cli.py).
 """
 
 from __future__ import annotations
@@ -42,14 +44,18 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import random
 import shutil
+import signal
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Literal
 
+if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import torch
 import tyro
 
@@ -61,7 +67,7 @@ import grpo
 import logs
 import lora
 import model_io
-from scripts import mock_rollouts
+from scripts import mock_rollouts, outputs
 
 
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
@@ -346,6 +352,9 @@ def check_args(a: Args) -> None:
     cli.check(not out.exists() or out.is_dir(), "--output-dir", f"{out} is a file, not a folder")
     held = f"{out} already holds a run; pass --overwrite to replace it, or another --output-dir"
     cli.check(a.overwrite or not (out / "metrics.jsonl").exists(), "--output-dir", held)
+    model = [a.model] if Path(a.model).is_dir() else []
+    read = {"--data": [a.data], "--val-data": [a.val_data], "--model": model}
+    outputs.refuse_overwriting_inputs({"--output-dir": [out]}, read)
 
 
 def load_inputs(args: Args):
@@ -354,7 +363,10 @@ def load_inputs(args: Args):
     with cli.user_errors():  # data.py's and read_scored's messages name file:line
         device = distributed.resolve_device(args.device)
         if args.demo:
-            demo = mock_rollouts.write_scored_demo(Path(args.output_dir) / "demo", args.demo_size, args.seed)
+            with cli.writing(Path(args.output_dir) / "demo"):
+                demo = mock_rollouts.write_scored_demo(
+                    Path(args.output_dir) / "demo", args.demo_size, args.seed
+                )
             train, val = (read_scored(p) for p in demo)
         elif args.val_data is not None:
             train, val = read_scored(args.data), read_scored(args.val_data)
@@ -392,11 +404,12 @@ def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_bat
     state["args"] = dataclasses.asdict(args)
     adapter = functools.partial(model_io.save_adapter, model, base_model_name_or_path=args.model)
     save = functools.partial(model_io.save_checkpoint, write_adapter=adapter, state=state)
-    save(out / f"checkpoint-{record['epoch']:06d}", keep_last=args.keep_last)
-    if record["best"]:  # written as best.tmp, then swapped in: best/ is never half-written
-        save(out / "best", keep_last=None)
+    with cli.writing(out):  # a full disk or a vanished folder: one line, status 74
+        save(out / f"checkpoint-{record['epoch']:06d}", keep_last=args.keep_last)
+        if record["best"]:  # written as best.tmp, then swapped in: best/ is never half-written
+            save(out / "best", keep_last=None)
+        logs.append_jsonl(out / "metrics.jsonl", record)
     records.append(record)
-    logs.append_jsonl(out / "metrics.jsonl", record)
     if record["phase"] == "rce":
         head = f"tau {record['tau']:.2f}  rce_loss {record['rce_loss']:.4f}"
     else:
@@ -405,15 +418,14 @@ def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_bat
     print(f"epoch {record['epoch']:2d} {record['phase']:4s}  {head}  {vals}{'  best' * record['best']}")
 
 
-def main(args: Args) -> dict:
-    """Train; returns the summary. A bad flag, file or line is a cli.UsageError before anything is written."""
-    check_args(args)
+def train(args: Args) -> dict:
     t_start, out = time.time(), Path(args.output_dir)
     model, logprobs_of, batches, val_batches = load_inputs(args)
     mode = "replace" if (out / "metrics.jsonl").exists() else "new"  # replace: check_args saw --overwrite
-    if mode == "replace":
-        shutil.rmtree(out / "best", ignore_errors=True)  # not among model_io's run files
-    model_io.open_run_folder(out, mode, uuid.uuid4().hex, 0, dataclasses.asdict(args))
+    with cli.writing(out):
+        if mode == "replace":
+            shutil.rmtree(out / "best", ignore_errors=True)  # not among model_io's run files
+        model_io.open_run_folder(out, mode, uuid.uuid4().hex, 0, dataclasses.asdict(args))
 
     # Reference log-probs (adapters off), once and frozen; with LoRA B = 0 they equal the initial policy's.
     val_batches = with_logprobs(model, val_batches, logprobs_of, "ref_logp", adapters=False)
@@ -422,7 +434,8 @@ def main(args: Args) -> dict:
     if args.old_logp_from == "init":
         batches = with_logprobs(model, batches, logprobs_of, "old_logp", adapters=True)
     records = [{"epoch": 0, **validate(model, val_batches, logprobs_of)}]
-    logs.append_jsonl(out / "metrics.jsonl", records[0])
+    with cli.writing(out):
+        logs.append_jsonl(out / "metrics.jsonl", records[0])
 
     # Epochs 1..E: RCE at a constant lr * rce_lr_scale. Epochs E+1..E+M: GRPO against old_logp frozen where
     # it starts, with a fresh AdamW (the RCE moments fit another loss), warm-up and cosine decay.
@@ -436,7 +449,8 @@ def main(args: Args) -> dict:
         opt, sched = (rce_optimizer, None) if epoch <= args.rce_epochs else (optimizer, scheduler)
         record = train_epoch(model, batches, logprobs_of, opt, sched, args, epoch)
         end_epoch(model, opt, records, record, args, val_batches, logprobs_of)
-    model_io.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+    with cli.writing(out):
+        model_io.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
     summary = {"epochs": records[-1]["epoch"], "wall_time_s": round(time.time() - t_start, 1)}
     if best := [r["epoch"] for r in records if r.get("best")]:
         summary["best_epoch"] = best[-1]
@@ -444,6 +458,21 @@ def main(args: Args) -> dict:
         summary.update({f"{when}_{k}": r[f"val/{k}"] for k in ("reward", "margin")})
     print(f"done: {json.dumps(summary)}; best in {out / 'best'}, final adapter in {out / 'adapter'}")
     return summary
+
+
+def main(args: Args) -> dict:
+    """Train; returns the summary. A bad flag, file or line, an --output-dir that holds an input or that
+    another process writes, is a cli.UsageError before anything is written."""
+    check_args(args)
+    with cli.signals(), outputs.claimed({"--output-dir": [Path(args.output_dir)]}, folder=True):
+        try:
+            return train(args)
+        except cli.Stopped:
+            if (Path(args.output_dir) / "metrics.jsonl").exists():
+                raise cli.Stopped(
+                    f"stopped; every finished epoch is checkpointed in {args.output_dir}"
+                ) from None
+            raise cli.Stopped("stopped before training started; no run was written") from None
 
 
 if __name__ == "__main__":
