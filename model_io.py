@@ -316,7 +316,7 @@ def save_checkpoint(
                 digest = hashlib.file_digest(fh, "sha256").hexdigest()
             files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": digest}
         manifest = {"run_id": run_id, "step": state.get("step"), "files": files}
-        _write(tmp / OWNER_FILE, (json.dumps(manifest, indent=1) + "\n").encode())  # json.dumps: ASCII
+        _write(tmp / OWNER_FILE, (json.dumps(manifest, indent=2) + "\n").encode())  # json.dumps: ASCII
         old = directory.with_name(directory.name + ".old")
         if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
             shutil.rmtree(old, ignore_errors=True)
