@@ -397,9 +397,9 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", message)
         reason = found.group(1) if found else message.split(". ")[0] or type(e).__name__
         raise ValueError(f"{path}: unreadable ({reason}); is it damaged or cut short?") from None
-    if not isinstance(state, dict) or "step" not in state:
-        raise ValueError(f"{path}: not a trainer state (no 'step'); was it written by another program?")
-    return state
+    if isinstance(state, dict):
+        return state
+    raise ValueError(f"{path}: not a trainer state (a {type(state).__name__}, not a dict)")
 
 
 def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str, str | None]:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import train_args
 
 import cli
@@ -148,3 +149,14 @@ def test_a_checkpoint_without_a_manifest_resumes_and_a_cut_adapter_there_is_one_
         train.main(train_args(output_dir=None, resume=str(run), **FLAGS))
     weights.write_bytes((two_checkpoints / "checkpoint-000004" / model_io.ADAPTER_WEIGHTS).read_bytes())
     assert train.main(train_args(output_dir=None, resume=str(run), **FLAGS))["steps"] == 4
+
+
+def test_a_foreign_state_file_in_a_checkpoint_without_a_manifest_is_named_not_a_traceback(
+    two_checkpoints, tmp_path
+):
+    run = copy_of(two_checkpoints, tmp_path)
+    folder = run / "checkpoint-000004"
+    (folder / model_io.OWNER_FILE).unlink()  # nothing to verify
+    torch.save([1, 2, 3], folder / model_io.STATE_FILE)  # a torch file, but no trainer state
+    with pytest.raises(ValueError, match=r"trainer_state.pt: not a trainer state \(a list, not a dict\)"):
+        model_io.checkpoint_to_resume(folder, run)
