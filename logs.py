@@ -16,6 +16,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import numbers
@@ -32,11 +33,21 @@ from matplotlib.ticker import MaxNLocator
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:
-    """One line per record, flushed and fsynced, so `tail -f` works and a crash loses at most one line."""
-    with Path(path).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One line per record, fsynced, so `tail -f` works and a crash loses at most one line. A write that fails
+    (no space left, ...) cuts the file back to its size before the append and raises an OSError naming it."""
+    line = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    size = os.fstat(fd).st_size
+    try:
+        while line:  # NOTE: os.write may write a part only (a full disk takes what fits)
+            line = line[os.write(fd, line) :]
+        os.fsync(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    finally:
+        os.close(fd)
 
 
 def image_reference(image: Any) -> str:
@@ -296,5 +307,11 @@ def curves_figure(records: list[dict]) -> Figure:
 
 def plot_curves(records: list[dict], path: Path) -> None:
     """The curves of `records` (metrics.jsonl's lines) as a PNG at `path` (900 x 840 pixels)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    curves_figure(records).savefig(path)  # a Figure with no canvas renders a PNG with Agg
+    (path := Path(path)).parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed when whole: a full disk leaves no torn PNG
+    try:
+        curves_figure(records).savefig(tmp, format="png")  # a Figure with no canvas renders with Agg
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

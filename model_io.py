@@ -7,7 +7,9 @@ so `peft.PeftModel.from_pretrained(base, dir)` reads ours, and we read PEFT's (p
 
 Choices:
 - A checkpoint folder is built under a temporary name and renamed into place only when complete, so a
-  crash during a save leaves the previous checkpoint intact.
+  crash during a save leaves the previous checkpoint intact. Its `checkpoint.json` lists the size and
+  SHA-256 of every other file: a resume verifies them first, and a damaged checkpoint (a disk that lost
+  blocks, a file cut short or replaced) is reported and passed over for the newest intact one.
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
   apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
@@ -20,6 +22,8 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import math
 import numbers
@@ -35,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from transformers import (
     AutoConfig,
@@ -100,15 +105,26 @@ ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
 
 
+def _write(path: Path, content: bytes, *, name: str | Path | None = None) -> None:
+    """Write `content` to `path` and fsync it. The OSError of a failed write (no space left, ...) names no
+    file; here it names `name` (default `path`), so the one-line error can say which."""
+    try:
+        with path.open("wb") as f:
+            f.write(content)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is not None and str(e.filename) != str(path):
+            raise
+        raise OSError(e.errno, e.strerror, str(name or path)) from e
+
+
 def _atomic_write(path: str | Path, content: bytes) -> None:
     """Write a temp file beside `path`, fsync it and rename it over `path`: a reader or a crash sees the old
     or the new file, never half of one (the folder is not fsynced: a lost rename brings back the old file)."""
     tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
     try:
-        with tmp.open("wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(tmp, content, name=path)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -166,13 +182,20 @@ def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bo
     """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
     Every check runs before the model changes, so a failed load leaves it intact. The tensors take the LoRA
     weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
-    config = json.loads(_regular(Path(directory, ADAPTER_CONFIG)).read_text())
-    _check_loadable(config)
-    r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
+    config_path = _regular(Path(directory, ADAPTER_CONFIG))
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        _check_loadable(config)
+        r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
+        raise ValueError(f"{config_path}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
     path, blocks = lora.find_decoder_blocks(model)
     layers = config.get("layers_to_transform")  # PEFT's None: every layer
     layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
-    tensors = load_file(weights := _regular(Path(directory, ADAPTER_WEIGHTS)))
+    try:
+        tensors = load_file(weights := _regular(Path(directory, ADAPTER_WEIGHTS)))
+    except SafetensorError as e:  # NOTE: torn, emptied or not safetensors at all
+        raise ValueError(f"{weights}: unreadable ({e}); is it damaged or cut short?") from None
     if modules := lora.lora_modules(model):
         want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
         have = {k: v for k, v in _hyperparameters(model).items() if k in want}
@@ -264,39 +287,76 @@ def save_checkpoint(
     run_id: str | None = None,
 ) -> Path:
     """Write `directory` (e.g. runs/x/checkpoint-000100) atomically: the adapter by `write_adapter(folder)`,
-    `state` (plain data: optimizer, scheduler, step, ...) with the RNG states as trainer_state.pt, and with a
-    `run_id` checkpoint.json, so that pruning to `keep_last` counts only this run's checkpoints."""
+    `state` (plain data: optimizer, scheduler, step, ...) with the RNG states as trainer_state.pt, and
+    checkpoint.json: `run_id` (pruning to `keep_last` counts only this run's checkpoints) and the manifest.
+    A save that fails (no space left, ...) removes its temporary folder and raises."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be at least 1 (the checkpoint just written), got {keep_last}")
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that crashed
-    tmp.mkdir(parents=True)
-    write_adapter(tmp)
-    torch.save({**state, "rng": rng_state()}, tmp / STATE_FILE)
-    # NOTE: fail now, not at a resume hours later, when the state is not plain data. The scan (torch >= 2.5)
-    # reads only the pickle, not the tensors; older torch skips the check.
-    scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
-    if unsafe := scan(tmp / STATE_FILE) if scan is not None else []:
-        raise TypeError(
-            f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store tensors, "
-            f"numbers, strings, lists and dicts only, or the checkpoint could not be loaded safely"
-        )
-    if run_id is not None:  # json.dumps writes ASCII
-        (tmp / OWNER_FILE).write_text(json.dumps({"run_id": run_id, "step": state.get("step")}) + "\n")
-    for f in filter(Path.is_file, tmp.rglob("*")):  # on disk before the rename makes the folder visible
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
-    old = directory.with_name(directory.name + ".old")
-    if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
+    try:
+        tmp.mkdir(parents=True)
+        write_adapter(tmp)
+        buffer = io.BytesIO()  # written by _write, whose error names the file (torch.save's would not)
+        torch.save({**state, "rng": rng_state()}, buffer)
+        _write(tmp / STATE_FILE, buffer.getvalue())
+        # NOTE: fail now, not at a resume hours later, when the state is not plain data. The scan (torch >=
+        # 2.5) reads only the pickle, not the tensors; older torch skips the check.
+        scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
+        if unsafe := scan(tmp / STATE_FILE) if scan is not None else []:
+            raise TypeError(
+                f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store "
+                f"tensors, numbers, strings, lists and dicts only, or it could not be loaded safely"
+            )
+        files = {}
+        for f in sorted(filter(Path.is_file, tmp.rglob("*"))):  # on disk before the rename shows the folder
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+                digest = hashlib.file_digest(fh, "sha256").hexdigest()
+            files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": digest}
+        manifest = {"run_id": run_id, "step": state.get("step"), "files": files}
+        _write(tmp / OWNER_FILE, (json.dumps(manifest, indent=2) + "\n").encode())  # json.dumps: ASCII
+        old = directory.with_name(directory.name + ".old")
+        if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if old.exists():
         shutil.rmtree(old)
     if keep_last is not None:
         prune_checkpoints(directory.parent, keep_last, run_id=run_id)
     return directory
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """None when every file of the manifest in checkpoint.json has its recorded size and SHA-256, else what
+    is wrong, naming the file. A checkpoint without a manifest (written by an older version) has nothing to
+    verify: None."""
+    directory = Path(directory)
+    if not (path := directory / OWNER_FILE).exists():
+        return None
+    try:
+        files = json.loads(_regular(path).read_text(encoding="utf-8")).get("files")
+        for name, record in (files or {}).items():
+            want = int(record["bytes"]), str(record["sha256"])
+            if not (f := directory / name).exists():
+                return f"{name} is missing"
+            if not f.is_file():  # NOTE: a FIFO would block the read below
+                return f"{name} is not a regular file"
+            if (size := f.stat().st_size) != want[0]:
+                return f"{name} is {size:,} bytes, the manifest says {want[0]:,}"
+            with f.open("rb") as fh:
+                if hashlib.file_digest(fh, "sha256").hexdigest() != want[1]:
+                    return f"{name}: its SHA-256 differs from the manifest's"
+    except OSError as e:
+        return f"{Path(e.filename or path).name} is unreadable ({e.strerror or e})"
+    except (ValueError, AttributeError, KeyError, TypeError):  # torn, emptied or foreign: no manifest left
+        return f"{OWNER_FILE} is unreadable"
+    return None
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -327,7 +387,7 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:  # refused global; torn; not a zip
         if found := re.search(r"GLOBAL (\S+)", message := str(e)):
             raise ValueError(
@@ -337,19 +397,43 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
         found = re.search(r"WeightsUnpickler error:\s*([^\n]+)", message)
         reason = found.group(1) if found else message.split(". ")[0] or type(e).__name__
         raise ValueError(f"{path}: unreadable ({reason}); is it damaged or cut short?") from None
+    if isinstance(state, dict):
+        return state
+    raise ValueError(f"{path}: not a trainer state (a {type(state).__name__}, not a dict)")
 
 
-def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str]:
-    """(checkpoint folder, trainer state, run id) for resuming the run in `out` from `path`: a checkpoint
-    folder, or a run folder (its newest). A ValueError when it belongs to another run than out/run.json."""
-    checkpoint = Path(path) if (Path(path) / STATE_FILE).exists() else list_checkpoints(path)[-1]
-    state = load_checkpoint(checkpoint)
+def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str, str | None]:
+    """(checkpoint folder, trainer state, run id, report) for resuming the run in `out` from `path`: a
+    checkpoint folder, or a run folder, whose newest intact checkpoint is taken; `report` (None: nothing to
+    say) names the damaged ones passed over and the steps that will be redone. A ValueError when the
+    checkpoint named, or every one, is damaged, or it belongs to another run than out/run.json."""
+    named = (Path(path) / STATE_FILE).exists()
+    damaged = []  # (folder, what is wrong), newest first
+    for checkpoint in [Path(path)] if named else reversed(list_checkpoints(path)):
+        try:
+            if reason := verify_checkpoint(checkpoint):
+                raise ValueError(reason)
+            state = load_checkpoint(checkpoint)
+            break
+        except (ValueError, OSError) as e:  # OSError: a state file that vanished or cannot be read
+            if named:
+                again = f"give the run folder (--resume {checkpoint.parent}) to take its newest intact one"
+                raise ValueError(f"{checkpoint} is damaged ({e}); {again}") from None
+            damaged.append((checkpoint, str(e)))
+    else:
+        found = "; ".join(f"{c.name} ({reason})" for c, reason in damaged) or "none found"
+        raise ValueError(f"no intact checkpoint in {path}: {found}")
+    report = "; ".join(f"{c.name} is damaged ({reason})" for c, reason in damaged) or None
+    if report:  # the steps after this checkpoint, up to the newest one passed over, are trained again
+        last = max(int(damaged[0][0].name.split("-")[-1]), state["step"] + 1)
+        redo = f"step {last}" if last == state["step"] + 1 else f"steps {state['step'] + 1}-{last}"
+        report += f"; resuming from {checkpoint.name}: {redo} will be redone"
     run_json = _regular(out / "run.json")
     owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
     run_id = state.get("run_id") or owner or uuid.uuid4().hex  # an older checkpoint may name no run
     if owner not in (None, run_id):
         raise ValueError(f"{checkpoint} belongs to another run than {out}/run.json")
-    return checkpoint, state, run_id
+    return checkpoint, state, run_id, report
 
 
 # --- Run folders: one run per folder ------------------------------------------------------------------------

@@ -22,6 +22,7 @@ process. This file holds `Args`, the step, then set-up, resume, checkpoints, eva
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -519,22 +520,40 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
 # --- Resume and checkpoints ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def writing(out: Path, path: Path | None = None):
+    """Inside, an OSError becomes cli.WriteFailed naming the file (`path` if the error names none); the
+    message adds which checkpoint of the run folder `out` is intact and how to go on."""
+    try:
+        with cli.writing(path or out):
+            yield
+    except cli.WriteFailed as e:
+        kept = model_io.list_checkpoints(out)
+        then = f"the newest checkpoint, {kept[-1].name}, is intact" if kept else "no checkpoint was written"
+        again = f"python train.py --resume {out}" if kept else "start again with --overwrite"
+        then += f"; once the cause is gone: {again}"
+        raise cli.WriteFailed(f"{e}; {then}") from e.__cause__
+
+
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
     """A checkpoint folder (model_io.save_checkpoint): the adapter, and the state --resume reads back."""
     optimizer, scheduler = run.optimizer.state_dict(), run.scheduler.state_dict()
     settings = dataclasses.asdict(args)
     state = dict(step=step, beta=beta, run_id=run_id, optimizer=optimizer, scheduler=scheduler, args=settings)
     adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
-    model_io.save_checkpoint(
-        directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
-    )
+    with writing(directory.parent, directory):
+        model_io.save_checkpoint(
+            directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
+        )
 
 
 def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
-    """Load adapter, optimizer, scheduler and RNG states of the latest checkpoint (or the one named):
-    (step, beta, run id). Refuses a checkpoint of another run than the folder's run.json."""
+    """Load adapter, optimizer, scheduler and RNG states of the latest intact checkpoint (or the one named):
+    (step, beta, run id). Damaged checkpoints passed over are reported; a checkpoint of another run than the
+    folder's run.json is refused."""
     with cli.user_errors("--resume: "):
-        checkpoint, state, run_id = model_io.checkpoint_to_resume(path, out)
+        checkpoint, state, run_id, report = model_io.checkpoint_to_resume(path, out)
+    print_if(run.rank == 0 and report is not None, f"warning: {report}")
     with cli.user_errors(f"--resume {checkpoint}: "):
         model_io.load_adapter(run.model, checkpoint)
     run.optimizer.load_state_dict(state["optimizer"])
@@ -588,9 +607,11 @@ def print_if(condition: bool, *values) -> None:  # on the writing rank only, not
 
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     print()  # the final adapter, the curves and the summary (rank 0)
-    model_io.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
+    with writing(out, out / "adapter"):
+        model_io.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logs.plot_curves(records, out / "curves.png")
+    with writing(out, out / "curves.png"):
+        logs.plot_curves(records, out / "curves.png")
     summary = logs.run_summary(records, seconds)
     print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
     return summary
@@ -635,7 +656,8 @@ def train_loop(
         if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
             if run.held_out and (step % args.eval_every == 0 or step == args.steps):
                 record.update(evaluate(run, args))
-            log.step(record, timings, completions, bad_in_a_row)
+            with writing(out):  # metrics, timings, rollouts: an OSError names the file
+                log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
         if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
             save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
@@ -684,7 +706,8 @@ def main(args: Args) -> dict:
             progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)
             log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
             if first is not None:
-                log.first(first)
+                with writing(out):
+                    log.first(first)
         distributed.barrier()
         try:
             return train_loop(run, args, stop, log, out, start_step, beta, run_id)

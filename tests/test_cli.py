@@ -307,16 +307,23 @@ class CreatesFile:
         return (Path.touch, (self.path,))
 
 
-def test_a_checkpoint_whose_state_would_run_code_is_refused_on_resume(finished_run, tmp_path):
+def test_a_checkpoint_whose_state_would_run_code_is_never_loaded_on_resume(finished_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     marker = tmp_path / "ran"
     state = run / "checkpoint-000003" / model_io.STATE_FILE
     torch.save({"step": 3, "payload": CreatesFile(marker)}, state)
+    torch.save({"step": 3, "payload": CreatesFile(marker)}, live := tmp_path / "live.pt")
+    named = str(run / "checkpoint-000003")
+    with pytest.raises(cli.UsageError, match=r"checkpoint-000003 is damaged \(trainer_state.pt is .* bytes"):
+        train.main(small_args(run, steps=4, resume=named))  # its manifest does not know the file
+    (state.parent / model_io.OWNER_FILE).write_text('{"run_id": null, "step": 3}')  # an older checkpoint's
     with pytest.raises(cli.UsageError, match="refusing to load"):
-        train.main(small_args(run, steps=4, resume=str(run)))
+        train.main(small_args(run, steps=4, resume=named))
+    train.main(small_args(run, steps=4, resume=str(run)))  # a run folder: its newest checkpoint that loads
+    assert "warning: checkpoint-000003 is damaged (" in capsys.readouterr().out
     assert not marker.exists()
-    torch.load(state, weights_only=False)  # the payload is live: the old loader would have run it
+    torch.load(live, weights_only=False)  # the payload is live: the old loader would have run it
     assert marker.exists()
 
 

@@ -240,10 +240,12 @@ def test_keep_last_with_a_run_id_prunes_only_that_runs_older_checkpoints(tmp_pat
         None,
         "run-a",
     ]
-    assert json.loads((tmp_path / "checkpoint-6" / "checkpoint.json").read_text()) == {
-        "run_id": "run-a",
-        "step": 6,
-    }
+    owner = json.loads((tmp_path / "checkpoint-6" / "checkpoint.json").read_text())
+    assert (owner["run_id"], owner["step"], sorted(owner["files"])) == (
+        "run-a",
+        6,
+        ["adapter_model.safetensors", model_io.STATE_FILE],
+    )
     save(tmp_path, 7, keep_last=1, run_id="run-b")
     assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (5, 6, 7)]
 
@@ -254,8 +256,8 @@ def test_resume_takes_a_run_folders_newest_checkpoint_or_the_one_named_and_refus
         model_io.save_checkpoint(
             tmp_path / f"checkpoint-{step}", write_adapter=write_adapter_file, state=state, keep_last=None
         )
-    checkpoint, state, run_id = model_io.checkpoint_to_resume(tmp_path, tmp_path)
-    assert (checkpoint.name, state["step"], run_id) == ("checkpoint-2", 2, "run-a")
+    checkpoint, state, run_id, report = model_io.checkpoint_to_resume(tmp_path, tmp_path)
+    assert (checkpoint.name, state["step"], run_id, report) == ("checkpoint-2", 2, "run-a", None)
     assert model_io.checkpoint_to_resume(tmp_path / "checkpoint-1", tmp_path)[1]["step"] == 1
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-b"}))  # the folder now holds another run
     with pytest.raises(ValueError, match="checkpoint-2 belongs to another run"):
@@ -283,7 +285,11 @@ def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_sa
     assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
     folder = save(tmp_path, 2)
     assert not leftover.exists()
-    assert sorted(p.name for p in folder.iterdir()) == ["adapter_model.safetensors", model_io.STATE_FILE]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "adapter_model.safetensors",
+        model_io.OWNER_FILE,
+        model_io.STATE_FILE,
+    ]
     assert model_io.load_checkpoint(folder)["step"] == 2
 
 
@@ -346,17 +352,25 @@ def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blo
     model = copy.deepcopy(tiny[0])
     lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
     write = functools.partial(model_io.save_adapter, model, base_model_name_or_path=str(ASSET))
-    fifo = [
-        (name, os.mkfifo) for name in (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, model_io.STATE_FILE)
-    ]
+    names = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, model_io.STATE_FILE, model_io.OWNER_FILE)
     runs, expected = [], []
-    for i, (name, make) in enumerate([*fifo, (model_io.ADAPTER_WEIGHTS, Path.mkdir)]):
-        checkpoint = tmp_path / f"run-{i}" / "checkpoint-000001"
-        model_io.save_checkpoint(checkpoint, write_adapter=write, state={"step": 1}, keep_last=None)
-        (checkpoint / name).unlink()
-        make(checkpoint / name)
-        runs.append(str(checkpoint.parent))
-        expected.append(f"{checkpoint / name} is not a regular file; refusing to read it")
+    for i, (name, make) in enumerate([*((name, os.mkfifo) for name in names), (names[0], Path.mkdir)]):
+        for manifest in (True, False):  # verified against the manifest; an older checkpoint, without one
+            if name == model_io.OWNER_FILE and not manifest:
+                continue
+            checkpoint = tmp_path / f"run-{i}-{manifest}" / "checkpoint-000001"
+            model_io.save_checkpoint(checkpoint, write_adapter=write, state={"step": 1}, keep_last=None)
+            if not manifest:
+                (checkpoint / model_io.OWNER_FILE).write_text('{"run_id": null, "step": 1}')
+            (checkpoint / name).unlink()
+            make(checkpoint / name)
+            runs.append(str(checkpoint.parent))
+            reason = "is unreadable" if name == model_io.OWNER_FILE else "is not a regular file"
+            damaged = f"no intact checkpoint in {checkpoint.parent}: checkpoint-000001 ({name} {reason})"
+            refused = f"{checkpoint / name} is not a regular file; refusing to read it"
+            if name == model_io.STATE_FILE and not manifest:  # read while looking for an intact checkpoint
+                refused = f"no intact checkpoint in {checkpoint.parent}: checkpoint-000001 ({refused})"
+            expected.append(damaged if manifest else refused)
     # In a child process: opening a FIFO blocks until a writer comes, so a regression times out, not hangs.
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     child = subprocess.run(
@@ -380,7 +394,7 @@ def test_a_leftover_temporary_checkpoint_folder_is_removed_when_the_run_folder_o
     leftover.mkdir()
     (leftover / model_io.STATE_FILE).write_bytes(b"half")
     assert model_io.check_run_folder(tmp_path, resume=str(tmp_path), overwrite=False) == "resume"
-    checkpoint, state, run_id = model_io.checkpoint_to_resume(tmp_path, tmp_path)
+    checkpoint, state, run_id, _ = model_io.checkpoint_to_resume(tmp_path, tmp_path)
     assert (checkpoint.name, state["step"]) == ("checkpoint-1", 1)
     model_io.open_run_folder(tmp_path, "resume", run_id, 1, {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "run.json"]
