@@ -477,7 +477,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     with cli.user_errors("--box-frame: "):
         frame = args.rewards.box_frame
         box_frame = grounding.resolve_frame(frame, model.config.model_type, image_processor, names)
-    length = dict(max_prompt_length=config.max_prompt_length)
+    length = dict(max_prompt_length=config.max_prompt_length, max_image_pixels=config.max_image_pixels)
     resized = data.check_samples(train_samples + held_out, tokenizer, image_processor, **length)
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
