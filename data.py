@@ -17,7 +17,9 @@ column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` p
 Choices:
 - A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
   desynchronise text and `pixel_values`, and a cut through the text changes the task.
-- Images above the processor's pixel budget are shrunk by it, never rejected (`describe_resizes` says so).
+- Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
+  (`describe_resizes` says so), and decoded once at that size, not in full at every step (`_shrunk`);
+  files above `max_image_pixels` (a PNG decodes in full before it can shrink) are refused when they load.
 - Rows are expanded like `repeat_interleave` (prompt b becomes rows b*G .. b*G+G-1), `pixel_values` and
   `image_grid_thw` per prompt block; a flat `repeat` would pair row b's text with another row's pixels.
 - A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
@@ -189,7 +191,9 @@ def _shrunk(path: str, rule: tuple[int, int, int, int]) -> Image.Image:
         original = im.size
         height, width = smart_resize(original[1], original[0], *rule[:3])
         im.draft(None, (width, height))  # JPEG only; other formats ignore it
-        image = load_image(im, {}).resize((width, height), rule[3])
+        # Without alpha, convert_to_rgb is convert("RGB"): one full-size copy instead of three (numpy, back).
+        alpha = "A" in im.getbands() or im.info.get("transparency") is not None
+        image = (load_image(im, {}) if alpha else im.convert("RGB")).resize((width, height), rule[3])
     image.info["original_size"] = original
     return image
 

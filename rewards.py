@@ -42,6 +42,13 @@ and anything else raise ValueError naming the reward, the completion index and t
 raises, sys.exit() included, fails `score` with an exception whose `user_message` adds its file:line. A reward
 needing the completion's token count declares a KEYWORD-ONLY `completion_length`, which `score` passes to
 exactly those rewards (`inspect.signature`). Any other parameter must have a default or be bound at load time.
+
+Checked before any step: a reward declares the sample fields it reads, `@needs(label=str)` or plainly
+`fn.needs = {"label": str}` (a type, a tuple of types, or a function raising ValueError on a bad value; or
+`fn.needs = check(sample)` where fields go together), and `check_needs` runs the declarations over every
+sample when the data loads: a dataset with a bad line 5 fails at once, not at the step that draws it. A
+reward without a declaration is checked only when called. `Reward.timeout` (--reward-timeout) bounds each
+call with SIGALRM: main thread only, on POSIX; a plug-in's `except Exception` cannot swallow it.
 """
 
 import contextlib
