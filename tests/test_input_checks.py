@@ -299,6 +299,8 @@ def _edit_config(folder: Path, **changes) -> dict:
         ),
         (lambda c: json.dumps({**c, "lora_dropout": None}), r"lora_dropout: expected a number in \[0, 1\)"),
     ],
+    ids=["r null", "r a string", "no lora_alpha", "a list", "not JSON", "not UTF-8", "targets not names"]
+    + ["targets a number", "layers a string", "dropout null"],
 )
 def test_a_malformed_adapter_config_is_one_error_naming_the_file_and_field(
     adapter, random_vlm, write, message
