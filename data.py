@@ -17,7 +17,9 @@ column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` p
 Choices:
 - A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
   desynchronise text and `pixel_values`, and a cut through the text changes the task.
-- Images above the processor's pixel budget are shrunk by it, never rejected (`describe_resizes` says so).
+- Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
+  (`describe_resizes` says so), and decoded once at that size, not in full at every step (`_shrunk`);
+  files above `max_image_pixels` (a PNG decodes in full before it can shrink) are refused when they load.
 - Rows are expanded like `repeat_interleave` (prompt b becomes rows b*G .. b*G+G-1), `pixel_values` and
   `image_grid_thw` per prompt block; a flat `repeat` would pair row b's text with another row's pixels.
 - A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
@@ -26,10 +28,12 @@ Choices:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,7 @@ from typing import Any, Literal
 import torch
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 import tasks
 
@@ -135,18 +140,62 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     return {**sample, "images": [str(full) for full in resolved], "_where": where}
 
 
-def load_image(image: str | Image.Image, sample: dict) -> Image.Image:
-    """RGB as transformers' image processors make it (alpha onto white); a bad file raises naming its line."""
+def load_image(image: str | Image.Image, sample: dict, image_processor=None) -> Image.Image:
+    """RGB as the image processor makes it (alpha onto white), a file shrunk as by it (`_decode`)."""
     if isinstance(image, Image.Image):
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
-    path = Path(image)
-    try:
-        with Image.open(path) as im:
-            return load_image(im, sample)  # converting forces a full decode, so truncated files fail here
-    except (OSError, Image.DecompressionBombError) as e:  # a missing or empty file fails here too
+    try:  # converting forces a full decode, so truncated files fail here; missing or empty ones too
+        return _decode(path := Path(image), _resize_rule(image_processor))
+    except (OSError, Image.DecompressionBombError) as e:
         size = path.stat().st_size if path.is_file() else None
         why = "not found" if size is None else "is an empty file" if size == 0 else f"cannot be decoded ({e})"
         raise ValueError(f"{location(sample)}: image {path} {why}") from e
+
+
+def _resize_rule(image_processor) -> tuple[int, int, int, int] | None:
+    """(factor, min_pixels, max_pixels) of Qwen-VL's `smart_resize` and the resampling filter, or None."""
+    if image_processor is None:
+        return None
+    size, factor = image_processor.size, image_processor.patch_size * image_processor.merge_size
+    return factor, size["shortest_edge"], size["longest_edge"], image_processor.resample
+
+
+def image_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) from the file's header, nothing decoded."""
+    with warnings.catch_warnings(), Image.open(path) as im:
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # --max-image-pixels decides
+        return im.size
+
+
+def _decode(path: Path, rule: tuple[int, int, int, int] | None) -> Image.Image:
+    """The file in RGB; one larger than the processor's budget (`rule`) comes shrunk to the size the processor
+    resizes it to (`_shrunk`). `info["original_size"]` is (width, height) on disk either way."""
+    width, height = image_size(path)
+    if rule is not None and width * height > rule[2]:
+        return _shrunk(str(path), rule)
+    with Image.open(path) as im:
+        image = load_image(im, {})
+    image.info["original_size"] = image.size
+    return image
+
+
+@functools.lru_cache(maxsize=8)
+def _shrunk(path: str, rule: tuple[int, int, int, int]) -> Image.Image:
+    """An image larger than the budget, decoded once and resized as the processor would (to `smart_resize`'s
+    size, with its filter), so that its own resize keeps it as it is: `pixel_values` are exactly those of the
+    full image. NOTE: a JPEG decodes at a reduced DCT scale first (`draft`, never below that size), so it is
+    never decoded in full, and its `pixel_values` are close to, not equal to, the full image's. The last 8
+    stay in memory (at most 8 x max_pixels x 3 bytes): an image drawn again soon is not decoded again."""
+    with warnings.catch_warnings(), Image.open(path) as im:
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        original = im.size
+        height, width = smart_resize(original[1], original[0], *rule[:3])
+        im.draft(None, (width, height))  # JPEG only; other formats ignore it
+        # Without alpha, convert_to_rgb is convert("RGB"): one full-size copy instead of three (numpy, back).
+        alpha = "A" in im.getbands() or im.info.get("transparency") is not None
+        image = (load_image(im, {}) if alpha else im.convert("RGB")).resize((width, height), rule[3])
+    image.info["original_size"] = original
+    return image
 
 
 @dataclass
@@ -173,13 +222,21 @@ class DataConfig:
     """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
     max_pixels: int | None = None
     """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
+    max_image_pixels: int = 89_478_485
+    """Images with more pixels on disk are refused when the data loads (a PNG has to be decoded in full,
+    3 bytes a pixel, before it can be shrunk). Default: Pillow's own warning limit; at most twice that."""
 
     def check(self) -> None:
         """Each value's range and each file named, with the flag at fault first in the message."""
         sizes = [("--max-prompt-length", self.max_prompt_length, 1), ("--train-size", self.train_size, 1)]
+        sizes += [("--max-image-pixels", self.max_image_pixels, 1)]
         for flag, value, low in [*sizes, ("--eval-size", self.eval_size, 0)]:
             if value < low:
                 raise ValueError(f"{flag}: must be >= {low}, got {value}")
+        if self.max_image_pixels > 2 * Image.MAX_IMAGE_PIXELS:  # Pillow refuses these as decompression bombs
+            raise ValueError(
+                f"--max-image-pixels: at most {2 * Image.MAX_IMAGE_PIXELS:,}, got {self.max_image_pixels}"
+            )
         files = [("--data", path) for path in self.data] + [("--eval-data", self.eval_data)]
         for flag, path in [*files, ("--prompt-template", self.prompt_template)]:
             if path is not None and not Path(path).is_file():
@@ -212,7 +269,7 @@ def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict
         raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
     images = [image for sample in samples for image in sample.get("images") or []]
     if mode == "blank":
-        sizes = [load_image(image, sample).size for sample in samples for image in sample.get("images") or []]
+        sizes = [image_size(im) if isinstance(im, str) else im.size for im in images]
         replaced = [Image.new("RGB", size, (128, 128, 128)) for size in sizes]
     else:
         order = random.Random(seed).sample(range(len(images)), len(images))
@@ -280,7 +337,7 @@ def prepare_prompts(
     max_prompt_length: int | None = None,
 ) -> PromptBatch:
     """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
-    per_row = [[load_image(im, sample) for im in sample.get("images", [])] for sample in samples]
+    per_row = [[load_image(im, s, image_processor) for im in s.get("images", [])] for s in samples]
     texts = [_chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
     images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
     inputs, resized = {}, []
@@ -303,7 +360,7 @@ def prepare_prompts(
     if images:  # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens
         inputs["mm_token_type_ids"] = mask * input_ids.eq(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
     inputs = {key: value.to(device) for key, value in inputs.items()}
-    return PromptBatch(inputs, images_per_row, [im.size for im in images], resized)
+    return PromptBatch(inputs, images_per_row, [i.info.get("original_size", i.size) for i in images], resized)
 
 
 def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
@@ -352,13 +409,22 @@ def image_pixel_budget(image_processor) -> int | None:
 
 
 def check_samples(
-    samples: list[dict], tokenizer, image_processor, *, max_prompt_length: int | None
+    samples: list[dict],
+    tokenizer,
+    image_processor,
+    *,
+    max_prompt_length: int | None,
+    max_image_pixels: int | None = None,
 ) -> ResizeReport:
-    """Fail fast, before any model work: decode every image once and bound every prompt's length (visual
-    tokens from image sizes by the processor's own rule, no pixels processed); return the ones it shrinks."""
+    """Fail fast, before any model work: refuse images above `max_image_pixels` before decoding them, decode
+    every other one once, and bound every prompt's length (visual tokens from image sizes by the processor's
+    own rule, no pixels processed); return the ones it shrinks."""
     budget, oversized = image_pixel_budget(image_processor), []
     for sample in samples:
-        sizes = [load_image(im, sample).size for im in sample.get("images", [])]  # corrupt files fail here
+        for image in sample.get("images", []):
+            _check_pixel_count(image, sample, max_image_pixels)
+        images = [load_image(im, sample, image_processor) for im in sample.get("images", [])]  # corrupt: here
+        sizes = [im.info.get("original_size", im.size) for im in images]
         if sizes and image_processor is None:
             raise ValueError(f"{location(sample)}: a text-only model (no image processor) got images")
         text = _chat_text(sample, tokenizer, len(sizes))
@@ -370,6 +436,20 @@ def check_samples(
                 oversized.append((width, height))
         _check_prompt_length(sample, length, max_prompt_length)
     return ResizeReport(len(oversized), max(oversized, key=lambda size: size[0] * size[1], default=None))
+
+
+def _check_pixel_count(image: str | Image.Image, sample: dict, max_image_pixels: int | None) -> None:
+    if max_image_pixels is None or not isinstance(image, str):
+        return
+    try:
+        width, height = image_size(image)
+    except (OSError, Image.DecompressionBombError):
+        return  # load_image names what is wrong with the file
+    if width * height > max_image_pixels:
+        raise ValueError(
+            f"{location(sample)}: image {image} is {width}x{height} ({width * height:,} pixels), more than "
+            f"--max-image-pixels {max_image_pixels:,}; shrink it, or raise the limit"
+        )
 
 
 def describe_resizes(report: ResizeReport, budget: int) -> str | None:

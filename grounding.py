@@ -289,6 +289,10 @@ def _gt_box(value: Any, name: str) -> Box:
 
 def _gt_boxes(sample: Mapping[str, Any]) -> list[Box]:
     if "boxes" in sample:
+        if not isinstance(sample["boxes"], list):
+            raise ValueError(
+                f"sample boxes must be a list of boxes [x1, y1, x2, y2], got {sample['boxes']!r}"
+            )
         return [_gt_box(b, "boxes entry") for b in sample["boxes"]]
     return [_gt_box(sample["bbox"], "bbox")]
 
@@ -298,6 +302,18 @@ def _gt_region(sample: Mapping[str, Any]) -> list[Polygon]:
     if not region or any(len(poly) < 3 for poly in region):
         raise ValueError(f"sample region must be polygons of >= 3 [x, y] vertices, got {sample['region']!r}")
     return region
+
+
+def _check_margin(margin: Any) -> Any:
+    if margin is not None and not (isinstance(margin, int | float) and margin >= 0):
+        raise ValueError(f"sample margin must be a non-negative number of pixels, got {margin!r}")
+    return margin
+
+
+def _check_count(count: Any) -> int:
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise ValueError(f"sample count must be a non-negative int, got {count!r}")
+    return count
 
 
 def iou_reward(completion: str, sample: Mapping[str, Any]) -> float:
@@ -345,9 +361,7 @@ def negative_points(completion: str, sample: Mapping[str, Any]) -> float:
     sample["region"] (a hole is outside, an edge is not) and, given "margin", within that many original
     pixels of its boundary (near the object, not anywhere); 0 with none."""
     points, region = predicted_points(completion, sample), _gt_region(sample)
-    margin = sample.get("margin")
-    if margin is not None and not (isinstance(margin, int | float) and margin >= 0):
-        raise ValueError(f"sample margin must be a non-negative number of pixels, got {margin!r}")
+    margin = _check_margin(sample.get("margin"))
     good = [
         not in_region(p, region) and (margin is None or boundary_distance(p, region) <= margin)
         for p in points
@@ -358,14 +372,35 @@ def negative_points(completion: str, sample: Mapping[str, Any]) -> float:
 def count_reward(completion: str, sample: Mapping[str, Any], *, graded: bool = False) -> float:
     """1 if the number n of objects listed (parsed boxes, else points; repeats count) equals sample["count"],
     else 0; `graded=True` (bind it in load_reward) gives max(0, 1 - |n - count| / max(count, 1)) instead."""
-    count = sample["count"]
-    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-        raise ValueError(f"sample count must be a non-negative int, got {count!r}")
+    count = _check_count(sample["count"])
     text = answer_text(completion)
     n = len(parse_boxes(text)) or len(parse_points(text))
     # NOTE: count 0 and nothing listed (or garbage) is right: 1.
     return max(0.0, 1.0 - abs(n - count) / max(count, 1)) if graded else float(n == count)
 
+
+# What each reward reads, checked on every sample when the data loads (rewards.check_needs): a check of one
+# field's value, or of the whole sample where fields go together (boxes, else bbox; region and margin).
+def _check_boxes(sample: Mapping[str, Any]) -> None:
+    if "boxes" not in sample and "bbox" not in sample:
+        raise ValueError('needs "boxes" (or "bbox"); the sample has neither')
+    _gt_boxes(sample)
+
+
+def _check_region(sample: Mapping[str, Any]) -> None:
+    try:
+        _gt_region(sample)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(
+            f'needs "region", polygons of >= 3 [x, y] vertices; got {sample.get("region")!r}'
+        ) from None
+    _check_margin(sample.get("margin"))
+
+
+iou_reward.needs = {"bbox": functools.partial(_gt_box, name="bbox")}
+box_iou_mean.needs = box_f1.needs = point_in_box.needs = _check_boxes
+point_in_region.needs = negative_points.needs = _check_region
+count_reward.needs = {"count": _check_count}
 
 # Names for rewards.load_reward's `builtins`, next to rewards.BUILTIN_REWARDS.
 REWARDS: dict[str, Callable[..., float]] = {

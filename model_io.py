@@ -166,7 +166,40 @@ def save_adapter(model: torch.nn.Module, directory: str | Path, *, base_model_na
     _atomic_write(os.path.join(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
 
 
-def _check_loadable(config: dict) -> None:
+def _read_adapter_config(path: Path) -> dict:
+    """adapter_config.json as a dict whose fields lora.py can load; anything else is a ValueError naming the
+    file and the field."""
+    try:
+        config = json.loads(_regular(path).read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(config).__name__}")  # noqa: TRY004
+    _check_loadable(path, config)
+    fields = {
+        "r": (lambda v: type(v) is int and v > 0, "a positive int"),
+        "lora_alpha": (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+        "target_modules": (
+            lambda v: bool(v) and all(isinstance(m, str) for m in v),
+            "a list of module names",
+        ),
+        "lora_dropout": (lambda v: type(v) in (int, float) and 0 <= v < 1, "a number in [0, 1)"),
+        "layers_to_transform": (
+            lambda v: type(v) is int or isinstance(v, list) and all(type(i) is int for i in v),
+            "null, a layer index or a list of them",
+        ),
+    }
+    config = {"lora_dropout": 0.0, "layers_to_transform": None} | config  # PEFT's defaults
+    for field, (ok, expected) in fields.items():
+        if field not in config:
+            raise ValueError(f"{path}: {field}: missing (expected {expected})")
+        value = config[field]
+        if not (ok(value) or value is None and field == "layers_to_transform"):  # None: every layer
+            raise ValueError(f"{path}: {field}: expected {expected}, got {value!r}")
+    return config
+
+
+def _check_loadable(path: Path, config: dict) -> None:
     """Refuse PEFT options lora.py lacks (rslora scales by alpha / sqrt(r)) rather than load them wrongly."""
     options = ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
     bad = {k: config[k] for k in options if config.get(k)}
@@ -175,20 +208,15 @@ def _check_loadable(config: dict) -> None:
     if not isinstance(config.get("target_modules"), list):  # PEFT also allows one regex string
         bad["target_modules"] = config.get("target_modules")
     if bad:
-        raise ValueError(f"adapter_config.json uses options lora.py does not implement: {bad}")
+        raise ValueError(f"{path}: uses options lora.py does not implement: {bad}")
 
 
 def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bool = True) -> list[str]:
     """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
     Every check runs before the model changes, so a failed load leaves it intact. The tensors take the LoRA
     weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
-    config_path = _regular(Path(directory, ADAPTER_CONFIG))
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-        _check_loadable(config)
-        r, alpha, targets = int(config["r"]), float(config["lora_alpha"]), tuple(config["target_modules"])
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError) as e:
-        raise ValueError(f"{config_path}: not a PEFT LoRA config ({type(e).__name__}: {e})") from None
+    config = _read_adapter_config(Path(directory, ADAPTER_CONFIG))
+    r, alpha, targets = config["r"], float(config["lora_alpha"]), tuple(config["target_modules"])
     path, blocks = lora.find_decoder_blocks(model)
     layers = config.get("layers_to_transform")  # PEFT's None: every layer
     layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)

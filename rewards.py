@@ -42,8 +42,16 @@ and anything else raise ValueError naming the reward, the completion index and t
 raises, sys.exit() included, fails `score` with an exception whose `user_message` adds its file:line. A reward
 needing the completion's token count declares a KEYWORD-ONLY `completion_length`, which `score` passes to
 exactly those rewards (`inspect.signature`). Any other parameter must have a default or be bound at load time.
+
+Checked before any step: a reward declares the sample fields it reads, `@needs(label=str)` or plainly
+`fn.needs = {"label": str}` (a type, a tuple of types, or a function raising ValueError on a bad value; or
+`fn.needs = check(sample)` where fields go together), and `check_needs` runs the declarations over every
+sample when the data loads: a dataset with a bad line 5 fails at once, not at the step that draws it. A
+reward without a declaration is checked only when called. `Reward.timeout` (--reward-timeout) bounds each
+call with SIGALRM: main thread only, on POSIX; a plug-in's `except Exception` cannot swallow it.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -52,10 +60,13 @@ import inspect
 import math
 import os
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from numbers import Real
 from typing import Any, Literal
 
@@ -67,6 +78,32 @@ RewardFn = Callable[..., float]
 _VERDICTS = {"通过": "pass", "不通过": "fail", "pass": "pass", "fail": "fail"}
 
 
+def needs(**fields: type | tuple[type, ...] | Callable[[Any], Any]) -> Callable[[RewardFn], RewardFn]:
+    """Declare the sample fields a reward reads, `@needs(label=str)`, for `check_needs` when the data loads:
+    each a type, a tuple of types, or a function that raises ValueError on a bad value."""
+
+    def declare(fn: RewardFn) -> RewardFn:
+        fn.needs = fields
+        return fn
+
+    return declare
+
+
+def _verdict(label: Any) -> None:
+    if not (isinstance(label, str) and label.strip().casefold() in _VERDICTS):
+        raise ValueError(
+            f"needs a verdict, one of {sorted(_VERDICTS)}; got {label!r} ({type(label).__name__})"
+        )
+
+
+def _number(answer: Any) -> None:
+    try:
+        float(answer)
+    except (TypeError, ValueError):
+        raise ValueError(f"needs a number, got {answer!r}") from None
+
+
+@needs(label=_verdict)
 def label_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 if the first line's verdict equals sample["label"] (通过 ≡ pass, 不通过 ≡ fail), else 0.0."""
     label = sample["label"]
@@ -99,6 +136,7 @@ def _answer_text(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
+@needs(answer=(str, int, float))
 def exact_match(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 if the answer text equals str(sample["answer"]) after stripping both, else 0.0."""
     return float(_answer_text(completion).strip() == str(sample["answer"]).strip())
@@ -110,6 +148,7 @@ def _normalise_answer(text: str) -> str:
     return text.strip("".join({c for c in text if c.isspace() or unicodedata.category(c).startswith("P")}))
 
 
+@needs(answer=(str, int, float))
 def answer_match(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 if the normalised answer text equals the normalised sample["answer"], else 0.0."""
     return float(_normalise_answer(_answer_text(completion)) == _normalise_answer(str(sample["answer"])))
@@ -122,6 +161,7 @@ _NUMBER_RE = re.compile(
 )
 
 
+@needs(answer=_number)
 def numeric_match(
     completion: str, sample: Mapping[str, Any], *, rel_tol: float = 1e-6, abs_tol: float = 1e-6
 ) -> float:
@@ -179,6 +219,7 @@ class Reward:
     fn: RewardFn
     weight: float = 1.0
     gate: bool = False  # if this reward is <= 0 for a completion, that completion's total is 0
+    timeout: float | None = None  # seconds a call may take (main thread only, SIGALRM); None: no limit
 
 
 @dataclasses.dataclass
@@ -216,6 +257,35 @@ def _bad_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> 
     return error
 
 
+class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
+    pass
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _Expired
+
+
+@contextlib.contextmanager
+def _time_limit(r: Reward, index: int, sample: Mapping[str, Any]) -> Iterator[None]:
+    """Interrupt the `with` block after r.timeout seconds (SIGALRM), naming the reward and the sample; the
+    previous SIGALRM handler and timer (less the time spent here) come back after it."""
+    previous = signal.signal(signal.SIGALRM, _expire)
+    started, (delay, interval) = time.monotonic(), signal.setitimer(signal.ITIMER_REAL, r.timeout)
+    try:
+        yield
+    except _Expired:
+        error = TimeoutError(
+            f"reward {r.name!r} took longer than --reward-timeout {r.timeout} s on {_describe(index, sample)}"
+        )
+        error.user_message = str(error)
+        raise error from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if delay:  # 1 microsecond at least: a timer of 0 would be no timer at all
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
+
+
 def score(
     completions: Sequence[str],
     samples: Sequence[Mapping[str, Any]],
@@ -237,15 +307,16 @@ def score(
             raise ValueError(f"reward {r.name!r} needs completion_lengths= (it declares completion_length)")
         for i, (completion, sample) in enumerate(zip(completions, samples)):
             kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
-            try:
-                value = r.fn(completion, sample, **kwargs)
-            except Exception as e:  # NOTE: not swallowed: raised again, naming the reward and the sample
-                _name_the_failure(e, r.name, i, sample)
-                raise
-            except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) passes on
-                if type(e) is not SystemExit:
+            with _time_limit(r, i, sample) if r.timeout else contextlib.nullcontext():
+                try:
+                    value = r.fn(completion, sample, **kwargs)
+                except Exception as e:  # NOTE: not swallowed: raised again, naming the reward and the sample
+                    _name_the_failure(e, r.name, i, sample)
                     raise
-                raise _name_the_failure(e, r.name, i, sample) from e
+                except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) not
+                    if type(e) is not SystemExit:
+                        raise
+                    raise _name_the_failure(e, r.name, i, sample) from e
             if isinstance(value, bool) or not (isinstance(value, Real) and abs(value) <= 3.4028235e38):
                 raise _bad_value(value, r.name, i, sample)
             components[r.name].append(float(value))
@@ -255,11 +326,55 @@ def score(
     return Scores(total=total, components=components, gate_failed=gate_failed)
 
 
+# --- checking the data a reward reads, when it loads ------------------------------------------------------
+
+
+def _field_problem(sample: Mapping[str, Any], field: str, kind: Any) -> str | None:
+    """What is wrong with sample[field] for a reward that declares `field: kind` (`needs`), or None."""
+    if field not in sample:
+        return "needs this field; the sample has none"
+    value = sample[field]
+    if isinstance(kind, type | tuple):
+        if isinstance(value, kind):
+            return None
+        names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
+        return f"needs {names}, got {value!r} ({type(value).__name__})"
+    try:
+        kind(value)
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def check_needs(
+    samples: Sequence[Mapping[str, Any]],
+    rewards: Sequence[Reward],
+    *,
+    locate: Callable[[Mapping[str, Any]], str] = lambda sample: f"sample {sample.get('id', '?')!r}",
+) -> None:
+    """Check every sample against the fields each reward declares (`needs`), so that a broken dataset fails
+    when it loads, not at the step that first draws the bad sample. A declaration is a dict (field -> type,
+    tuple of types or check) or a function of the whole sample that raises ValueError; a reward without one
+    is not checked. ValueError: "data.jsonl:5: label: reward 'label': needs a verdict, ..." (`locate`)."""
+    for r in rewards:
+        declared = getattr(getattr(r.fn, "func", r.fn), "needs", None)  # a functools.partial: its function's
+        for sample in samples if declared is not None else ():
+            if callable(declared):
+                try:
+                    declared(sample)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{locate(sample)}: reward {r.name!r}: {e}") from None
+                continue
+            for field, kind in declared.items():
+                if (problem := _field_problem(sample, field, kind)) is not None:
+                    raise ValueError(f"{locate(sample)}: {field}: reward {r.name!r}: {problem}")
+
+
 # --- loading ----------------------------------------------------------------------------------------------
 
 
-def _import_module_for(module_spec: str) -> Any:
-    """Import `pkg.mod` from sys.path, or execute `path/to/file.py` as a fresh module."""
+def _import_module_for(module_spec: str, attr: str) -> Any:
+    """Import `pkg.mod` from sys.path, or execute `path/to/file.py` as a fresh module (for reward `attr`)."""
     if module_spec.endswith(".py") or "/" in module_spec or os.sep in module_spec:
         if not os.path.isfile(module_spec):
             raise ValueError(f"reward file {module_spec!r} does not exist")
@@ -273,6 +388,10 @@ def _import_module_for(module_spec: str) -> Any:
             spec.loader.exec_module(module)
         except BaseException as e:  # leave no half-initialised module behind, whatever the module raised
             del sys.modules[name]
+            # NOTE: exactly these types are the file's own doing; a signal arrives as cli.Stopped and passes.
+            if type(e) in (SystemExit, KeyboardInterrupt):
+                did = f"called sys.exit({e.code!r})" if type(e) is SystemExit else "raised KeyboardInterrupt"
+                raise ValueError(f"{module_spec}:{attr}: the plug-in file {did} while it was imported") from e
             if not isinstance(e, ImportError | SyntaxError):
                 raise
             raise ValueError(f"could not import reward file {module_spec!r}: {e}") from e
@@ -301,7 +420,7 @@ def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **
         module_spec, _, attr = spec.rpartition(":")
         if not module_spec or not attr:
             raise ValueError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
-        module = _import_module_for(module_spec)
+        module = _import_module_for(module_spec, attr)
         if not hasattr(module, attr):
             raise ValueError(f"reward module {module_spec!r} has no attribute {attr!r}")
         fn = getattr(module, attr)
@@ -373,6 +492,19 @@ class RewardConfig:
     box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
     """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
     0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
+    reward_timeout: float | None = None
+    """Seconds one reward call may take; a longer one stops the command with an error naming the reward and
+    the sample (e.g. a plug-in waiting on a network judge). Default: no limit. Needs SIGALRM (not Windows)."""
+
+    def check(self) -> None:
+        """The values that need nothing loaded; the rewards themselves are checked when they load."""
+        timeout = self.reward_timeout
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
+        # SIGALRM interrupts only the main thread, and Windows has none.
+        main_thread = threading.current_thread() is threading.main_thread()
+        if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):
+            raise ValueError("--reward-timeout: unsupported here (it needs SIGALRM, in the main thread)")
 
 
 def rewards_from_flags(
@@ -380,14 +512,16 @@ def rewards_from_flags(
     weights: Sequence[float] = (),
     gates: Sequence[str] = (),
     builtins: Mapping[str, RewardFn] | None = None,
+    timeout: float | None = None,
 ) -> list[Reward]:
-    """--reward, --reward-weight and --gate, as every command of this project reads them: parse_reward_specs,
-    with each mistake a ValueError whose message starts with the flag at fault."""
+    """--reward, --reward-weight, --gate and --reward-timeout, as every command of this project reads them:
+    parse_reward_specs, with each mistake a ValueError whose message starts with the flag at fault."""
     if weights and len(weights) != len(names):
         raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
     if unknown := sorted(set(gates) - set(names)):
         raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
     try:
-        return parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
+        parsed = parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
     except ValueError as e:  # a plug-in that does not import, a name that is no reward: --reward's fault
         raise ValueError(f"--reward: {e}") from e
+    return [dataclasses.replace(r, timeout=timeout) for r in parsed]

@@ -456,8 +456,9 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     config = args.rewards
-    names = config.reward or tasks.TASK_REWARDS[task]
-    return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins)
+    config.check()
+    names, timeout = config.reward or tasks.TASK_REWARDS[task], config.reward_timeout
+    return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins, timeout)
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
@@ -467,6 +468,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
     cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
     reward_fns = resolve_rewards(args, None if args.samples.data else args.samples.task)
+    # The fields each reward reads, on every sample now, not at the step that first draws a bad one.
+    rewards.check_needs(train_samples + held_out, reward_fns, locate=data.location)
     accuracy_name, names = args.rewards.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
@@ -475,7 +478,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     with cli.user_errors("--box-frame: "):
         frame = args.rewards.box_frame
         box_frame = grounding.resolve_frame(frame, model.config.model_type, image_processor, names)
-    length = dict(max_prompt_length=config.max_prompt_length)
+    length = dict(max_prompt_length=config.max_prompt_length, max_image_pixels=config.max_image_pixels)
     resized = data.check_samples(train_samples + held_out, tokenizer, image_processor, **length)
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)

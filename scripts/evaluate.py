@@ -207,8 +207,12 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     names = args.rewards.reward or tasks.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
+    config = args.rewards
     with cli.user_errors():
-        return rewards.rewards_from_flags(names, args.rewards.reward_weight, args.rewards.gate, builtins)
+        config.check()
+        return rewards.rewards_from_flags(
+            names, config.reward_weight, config.gate, builtins, config.reward_timeout
+        )
 
 
 @contextlib.contextmanager
@@ -430,6 +434,8 @@ def evaluate(args: Args) -> dict[str, dict]:
     with cli.user_errors():  # data.py's messages name file:line
         samples, task = load_eval_samples(args)
     reward_fns = resolve_rewards(args, task)
+    with cli.user_errors():  # the fields each reward reads, on every sample, before the model loads
+        rewards.check_needs(samples, reward_fns, locate=data.location)
     accuracy_name = args.rewards.accuracy_reward or reward_fns[0].name
     names = [r.name for r in reward_fns]
     cli.check(

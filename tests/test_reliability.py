@@ -293,11 +293,11 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
             r"bad\.jsonl:1: image 'nope\.png' not found",
         ),
         "zero-size image": (
-            ['{"images": ["empty.png"], "prompt": "a"}'],
+            ['{"images": ["empty.png"], "prompt": "a", "label": "通过"}'],
             r"bad\.jsonl:1: .*empty\.png is an empty",
         ),
         "corrupt image": (
-            ['{"images": ["corrupt.png"], "prompt": "a"}'],
+            ['{"images": ["corrupt.png"], "prompt": "a", "label": "通过"}'],
             r"bad\.jsonl:1: .*corrupt\.png cannot be",
         ),
         "image tokens cut by the prompt limit": (

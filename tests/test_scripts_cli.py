@@ -86,7 +86,23 @@ def test_evaluate_with_a_reward_plugin_that_does_not_exist_exits_2_naming_the_fl
 
 
 def test_evaluate_with_a_reward_failing_on_a_sample_exits_2_naming_file_and_line(tmp_path):
-    # The label reward needs the sample's `label`; line 2 has an answer only. Found after generation (model).
+    # The plug-in declares no fields: line 2's missing `score` is found when it is scored, after generation.
+    data = write_lines(
+        tmp_path / "data.jsonl",
+        '{"id": "a", "prompt": "ok?", "score": 1}',
+        '{"id": "b", "prompt": "ok?", "answer": "1"}',
+    )
+    plugin = write_lines(
+        tmp_path / "judge.py", "def judge(completion, sample):", "    return sample['score']"
+    )
+    output = tmp_path / "e.jsonl"
+    args = ["--data", data, "--reward", f"{plugin}:judge", "--max-new-tokens", "2", "--output", output]
+    assert_user_error(run_script("evaluate.py", *args), f"{data}:2:", "'score'")
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["a"]  # a rerun resumes
+
+
+def test_evaluate_with_a_sample_lacking_a_field_its_reward_reads_exits_2_before_generating(tmp_path):
+    # The label reward declares `label` (rewards.needs): line 2 has an answer only, found when the data loads.
     data = write_lines(
         tmp_path / "data.jsonl",
         '{"id": "a", "prompt": "ok?", "label": "通过"}',
@@ -94,8 +110,8 @@ def test_evaluate_with_a_reward_failing_on_a_sample_exits_2_naming_file_and_line
     )
     output = tmp_path / "e.jsonl"
     args = ["--data", data, "--reward", "label", "--max-new-tokens", "2", "--output", output]
-    assert_user_error(run_script("evaluate.py", *args), f"{data}:2:", "'label'")
-    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["a"]  # a rerun resumes
+    assert_user_error(run_script("evaluate.py", *args), f"{data}:2: label: reward 'label'")
+    assert not output.exists()
 
 
 def test_evaluate_into_an_output_damaged_before_its_last_line_exits_2_naming_file_and_line(tmp_path):
