@@ -121,12 +121,15 @@ class Signals:
     """SIGINT / SIGTERM as `Stopped` (before `defer()`) or as a request honoured after the step (after).
 
     `requests` holds the names of the signals received while deferred. A second Ctrl-C while a request is
-    pending stops at once (KeyboardInterrupt), as usual.
+    pending stops at once (KeyboardInterrupt), as usual. While one of the `abortable` functions runs (user
+    code that may take minutes and writes nothing, e.g. scoring with a reward plug-in), a signal raises
+    `Stopped` at once even when deferred: the caller redoes that work from its last consistent state.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, abortable: tuple[Callable, ...] = ()) -> None:
         self.deferred = False
         self.requests: list[str] = []
+        self.abortable = {fn.__code__ for fn in abortable}
 
     def defer(self) -> None:
         """From now on a signal lets the current step finish (work was written that must stay consistent)."""
@@ -139,14 +142,18 @@ class Signals:
         if self.requests and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requests.append(name)
+        while frame is not None and frame.f_code not in self.abortable:
+            frame = frame.f_back
+        if frame is not None:  # the signal interrupted an abortable function: stop it now
+            raise Stopped(f"stopped by {name}")
         print(f"\n{name} received: finishing the current step, then writing a checkpoint", flush=True)
 
 
 @contextmanager
-def signals() -> Iterator[Signals]:
+def signals(abortable: tuple[Callable, ...] = ()) -> Iterator[Signals]:
     """Install the handlers for the `with` block; the previous ones come back after it (calling a command's
     `main` from Python changes nothing global)."""
-    state = Signals()
+    state = Signals(abortable)
     previous = {sig: signal.signal(sig, state.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield state
