@@ -702,13 +702,13 @@ def failed_step(error: BaseException, step: int, run: Run, out: Path, beta: floa
         return
     if step > 0 and not (out / f"checkpoint-{step:06d}").exists():
         save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
-    then = f"checkpoint of step {step} written. Continue with: python train.py --resume {out}"
-    then = then if step > 0 else "no step finished: the same command starts the run again"
+    again = f"python train.py --resume {out}" if step > 0 else "the same command (it starts the run again)"
+    done = f"checkpoint of step {step} written" if step > 0 else "no step finished"
     if isinstance(error, cli.Stopped):
-        raise cli.Stopped(f"{error} while a reward function ran; {then}")
+        raise cli.Stopped(f"{error} while a reward function ran; {done}. Continue with: {again}")
     if message is None:
-        raise cli.UsageError(f"{error}; {then}, once it is fixed")
-    error.user_message = f"{message}; {then}, once it is fixed"
+        raise cli.UsageError(f"{error}; {done}. Once that is fixed, continue with: {again}")
+    error.user_message = f"{message}; {done}. Once that is fixed, continue with: {again}"
     raise error
 
 
