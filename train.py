@@ -622,6 +622,23 @@ def checkpoint_step(resume: str, out: Path) -> int:
     return int(checkpoint.name.rpartition("-")[2])
 
 
+def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
+    """run.json's "args" for this start (a resumed run: the record, checked, with the changes allowed), or
+    None when --resume finds the run finished: then it says so, and how to extend it."""
+    if mode != "resume":
+        print_if(
+            writer and args.resume and mode == "replace", f"{out}: no checkpoint yet, starting at step 0"
+        )
+        return dataclasses.asdict(args)
+    settings, done = resumed_settings(args, out), checkpoint_step(args.resume, out)
+    if done < args.steps:
+        return settings
+    cli.check(done == args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}")
+    again = f"python train.py --resume {out} --steps M (M > {done})"
+    print_if(writer, f"{out}: the run is finished at step {done}; to train further: {again}")
+    return None
+
+
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
     """Why the run stops after this step (a signal on any rank, too many bad steps), or None to go on.
     NOTE: the requests are read once and only the all-reduced value decides (a second read could differ)."""
@@ -788,64 +805,51 @@ def main(args: Args) -> dict:
     """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
     a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
     current step (at once while a reward function runs) and a checkpoint."""
-    with cli.signals(abortable=(rewards.score,)) as stop:  # Ctrl-C / SIGTERM: see cli.Signals
+    with cli.signals(abortable=(rewards.score,)) as stop, contextlib.ExitStack() as held:  # see cli.Signals
         check_args(args)
         with cli.user_errors():
             device = distributed.resolve_device(args.device)
             out = model_io.run_folder(args.output_dir, args.resume)
         rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates
-        with run_folder_lock(out, hold=writer and not args.dry_run):  # --dry-run writes nothing
-            with cli.user_errors():
-                options = dict(resume=args.resume, overwrite=args.overwrite)
-                mode = "new" if args.dry_run else model_io.check_run_folder(out, **options)
-            settings = resumed_settings(args, out) if mode == "resume" else dataclasses.asdict(args)
-            if mode == "resume" and (done := checkpoint_step(args.resume, out)) >= args.steps:
-                cli.check(
-                    done == args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}"
-                )
-                again = f"python train.py --resume {out} --steps M (M > {done})"
-                print_if(writer, f"{out}: the run is finished at step {done}; to train further: {again}")
-                return {}
-            print_if(writer and args.resume and mode == "replace", f"{out}: no checkpoint yet, starting at 0")
-            with cli.user_errors():
-                dtype = model_io.resolve_dtype(args.dtype, device)
-                run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
-            if args.dry_run:
-                return dry_run(run, args)
-            start_step, beta, run_id = 0, args.loss.beta, uuid.uuid4().hex
-            if mode == "resume":
-                start_step, beta, run_id = resume_from(args.resume, out, run)
-                print_if(writer, f"resumed {out} from step {start_step}")
-            print_if(writer, describe(run, args, dtype))
-            first = {"step": 0, **(evaluate(run, args) if run.held_out else {})} if start_step == 0 else None
-            stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
-            log = None
-            if writer:
-                with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
-                    removed, kept = model_io.open_run_folder(out, mode, run_id, start_step, settings)
-                    tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
-                print_if(removed, f"replaced the previous run: removed {', '.join(p.name for p in removed)}")
-                print_if(
-                    removed and kept, f"kept what is not the run's own: {', '.join(p.name for p in kept)}"
-                )
-                accuracy = (first or {}).get("eval/accuracy")
-                progress = (
-                    start_step,
-                    args.steps,
-                    args.log_every,
-                    args.group_size,
-                    args.sampling.temperature,
-                )
-                log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
-                if first is not None:
-                    log.first(first)
-            distributed.barrier()
-            try:
-                return train_loop(run, args, stop, log, out, start_step, beta, run_id)
-            finally:
-                if log is not None:
-                    log.close()
+        held.enter_context(run_folder_lock(out, hold=writer and not args.dry_run))  # --dry-run writes nothing
+        with cli.user_errors():
+            options = dict(resume=args.resume, overwrite=args.overwrite)
+            mode = "new" if args.dry_run else model_io.check_run_folder(out, **options)
+        if (settings := run_settings(args, out, mode, writer)) is None:
+            return {}  # --resume of a finished run
+        with cli.user_errors():
+            dtype = model_io.resolve_dtype(args.dtype, device)
+            run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
+        if args.dry_run:
+            return dry_run(run, args)
+        start_step, beta, run_id = 0, args.loss.beta, uuid.uuid4().hex
+        if mode == "resume":
+            start_step, beta, run_id = resume_from(args.resume, out, run)
+            print_if(writer, f"resumed {out} from step {start_step}")
+        print_if(writer, describe(run, args, dtype))
+        first = {"step": 0, **(evaluate(run, args) if run.held_out else {})} if start_step == 0 else None
+        stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
+        log = None
+        if writer:
+            with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
+                removed, kept = model_io.open_run_folder(out, mode, run_id, start_step, settings)
+                tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
+            left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""
+            print_if(
+                removed, f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
+            )
+            accuracy = (first or {}).get("eval/accuracy")
+            progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)
+            log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
+            if first is not None:
+                log.first(first)
+        distributed.barrier()
+        try:
+            return train_loop(run, args, stop, log, out, start_step, beta, run_id)
+        finally:
+            if log is not None:
+                log.close()
 
 
 if __name__ == "__main__":
