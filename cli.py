@@ -16,7 +16,8 @@ A user's mistake is a `UsageError`; code that reads the user's input (flags, fil
 inside `user_errors()`, which turns the ValueError / OSError that data.py, rewards.py and model loading
 raise with their file:line messages into one. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped`
 at once while nothing needs finishing (loading, validation, the first evaluation), and into a request that
-the training loop honours after its current step once `defer()` has been called. One writer per output:
+the training loop honours after its current step once `defer()` has been called (at once again while an
+`abortable` function runs: slow user code that writes nothing). One writer per output:
 `hold_lock` takes an exclusive lock that the operating system releases when the process ends. Stdlib only.
 """
 

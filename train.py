@@ -607,8 +607,9 @@ def resumed_settings(args: Args, out: Path) -> dict:
         for k in changed
     ]
     cli.check(not differ, f"--resume {out}", f"these flags differ from the recorded run: {'; '.join(differ)}")
-    if lacking := [k for k in given if k not in recorded]:
-        print(f"{out}/run.json records no {', '.join(lacking)}: using the given (or default) values")
+    if lacking := [k for k in given if k not in recorded]:  # a run.json of an older version
+        named = ", ".join(f"--{k.replace('_', '-')}" for k in lacking) if recorded else "settings"
+        print(f"{out}/run.json records no {named}: the flags given (or their defaults) are used")
     where = {
         k: v for k, v in (record.get("args") or {}).items() if k in ("output_dir", "resume", "overwrite")
     }
