@@ -781,7 +781,7 @@ def train_loop(
 def run_folder_lock(out: Path, hold: bool) -> Iterator[None]:
     """One writer per run folder: its lock (cli.hold_lock), taken before anything looks into the folder and
     held until the run ends; the kernel releases it when the process dies, however it dies. A start that
-    fails before its first write (no run.json) removes the lock file and the folders it made."""
+    fails before its first write (no run record) removes the lock file and the folders it made."""
     if not hold:
         yield
         return
@@ -792,7 +792,9 @@ def run_folder_lock(out: Path, hold: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        if new_lock and not (out / "run.json").exists():
+        with contextlib.suppress(ValueError):  # a damaged run.json is no run record either
+            new_lock = new_lock and model_io.read_run_record(out) is None
+        if new_lock:
             lock_file.unlink()
             with contextlib.suppress(OSError):  # only the empty folders this process made
                 for folder in (out, *out.parents) if created is not None else ():

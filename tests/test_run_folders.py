@@ -128,19 +128,19 @@ def test_a_second_process_on_a_running_folder_is_refused_and_a_killed_holder_blo
     assert steps_of(killed / "metrics.jsonl") == [0, 1]
 
 
-def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_changed_flag(tmp_path):
+def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_changed_flag(tmp_path, capsys):
     out = tmp_path / "run"
     first = train_py(*FLAGS, "--steps", "2", "--output-dir", str(out), cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
     recorded, before = json.loads((out / "run.json").read_text()), tree_digest(out)
 
-    refused = train_py(
-        "--resume", str(out), "--steps", "4", "--batch-size", "16", "--lr", "0.001", cwd=tmp_path
-    )
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == (
-        f"error: --resume {out}: these flags differ from the recorded run: --batch-size recorded 2, "
-        "given 16; --lr recorded 0.002, given 0.001"
+    # The command line of `python train.py --resume DIR ...` (train.command_line), in this process.
+    refused = ["--resume", str(out), "--steps", "4", "--batch-size", "16", "--lr", "0.001"]
+    with pytest.raises(cli.UsageError) as error:
+        train.main(train.command_line(refused))
+    assert str(error.value) == (
+        f"--resume {out}: these flags differ from the recorded run: --batch-size recorded 2, given 16; "
+        "--lr recorded 0.002, given 0.001"
     )
     assert tree_digest(out) == before  # nothing written
 
@@ -152,9 +152,9 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
     assert json.loads((out / "run.json").read_text()) == recorded  # unchanged but for --steps
 
     before = tree_digest(out)
-    finished = train_py("--resume", str(out), cwd=tmp_path)
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    assert finished.stdout.strip().splitlines()[-1] == (
+    capsys.readouterr()
+    assert train.main(train.command_line(["--resume", str(out)])) == {}
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"{out}: the run is finished at step 4; to train further: python train.py --resume {out} "
         "--steps M (M > 4)"
     )
@@ -255,26 +255,14 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
     assert model_io.checkpoint_run_id(foreign) == "x" and (out / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize(
-    ("make", "flags", "message"),
-    [
-        (
-            lambda t: (t / "file").write_text("x"),
-            ("--output-dir", "file/sub"),
-            "--output-dir: file is a file",
-        ),
-        (
-            lambda t: ((t / "run").mkdir(), (t / "run" / "run.json").write_text("{garbage")),
-            ("--resume", "run"),
-            "run/run.json: not a run record of this project",
-        ),
-    ],
-    ids=["parent is a file", "garbage run.json"],
-)
-def test_an_unusable_output_folder_is_one_line_naming_it(tmp_path, make, flags, message):
-    make(tmp_path)
-    child = train_py(*flags, cwd=tmp_path)
-    assert child.returncode == 2
-    assert (
-        child.stderr.strip().startswith(f"error: {message}") and len(child.stderr.strip().splitlines()) == 1
-    )
+def test_an_unusable_output_folder_or_run_json_is_one_line_naming_it(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(cli.UsageError, match=f"^--output-dir: {tmp_path / 'file'} is a file, not a folder$"):
+        train.main(train_args(output_dir=str(tmp_path / "file" / "sub"), steps=1, **SMALL))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{garbage")
+    garbage = f"^{tmp_path / 'run' / 'run.json'}: not a run record of this project"
+    for command_line in (["--resume", str(tmp_path / "run")], ["--output-dir", str(tmp_path / "run")]):
+        with pytest.raises(cli.UsageError, match=garbage):
+            train.main(train.command_line(command_line))
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "run", "run.json"]
