@@ -16,7 +16,8 @@ A user's mistake is a `UsageError`; code that reads the user's input (flags, fil
 inside `user_errors()`, which turns the ValueError / OSError that data.py, rewards.py and model loading
 raise with their file:line messages into one. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped`
 at once while nothing needs finishing (loading, validation, the first evaluation), and into a request that
-the training loop honours after its current step once `defer()` has been called. One writer per output:
+the training loop honours after its current step once `defer()` has been called (at once again while an
+`abortable` function runs: slow user code that writes nothing). One writer per output:
 `hold_lock` takes an exclusive lock that the operating system releases when the process ends. Stdlib only.
 """
 
@@ -121,12 +122,15 @@ class Signals:
     """SIGINT / SIGTERM as `Stopped` (before `defer()`) or as a request honoured after the step (after).
 
     `requests` holds the names of the signals received while deferred. A second Ctrl-C while a request is
-    pending stops at once (KeyboardInterrupt), as usual.
+    pending stops at once (KeyboardInterrupt), as usual. While one of the `abortable` functions runs (user
+    code that may take minutes and writes nothing, e.g. scoring with a reward plug-in), a signal raises
+    `Stopped` at once even when deferred: the caller redoes that work from its last consistent state.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, abortable: tuple[Callable, ...] = ()) -> None:
         self.deferred = False
         self.requests: list[str] = []
+        self.abortable = {fn.__code__ for fn in abortable}
 
     def defer(self) -> None:
         """From now on a signal lets the current step finish (work was written that must stay consistent)."""
@@ -139,14 +143,18 @@ class Signals:
         if self.requests and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requests.append(name)
+        while frame is not None and frame.f_code not in self.abortable:
+            frame = frame.f_back
+        if frame is not None:  # the signal interrupted an abortable function: stop it now
+            raise Stopped(f"stopped by {name}")
         print(f"\n{name} received: finishing the current step, then writing a checkpoint", flush=True)
 
 
 @contextmanager
-def signals() -> Iterator[Signals]:
+def signals(abortable: tuple[Callable, ...] = ()) -> Iterator[Signals]:
     """Install the handlers for the `with` block; the previous ones come back after it (calling a command's
     `main` from Python changes nothing global)."""
-    state = Signals()
+    state = Signals(abortable)
     previous = {sig: signal.signal(sig, state.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield state

@@ -15,8 +15,9 @@ Choices:
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
 - A checkpoint may name the run that wrote it (`checkpoint.json`); pruning with a run id deletes only
   that run's older checkpoints, so two runs sharing an output folder never delete each other's.
-- One run per folder: `run.json` names the run that owns it, and a resumed run trims its logs to the step
-  of its checkpoint (the later steps are redone).
+- One run per folder: `run.json` (with a run id) is what makes a folder a run folder and names the run that
+  owns it; a folder without it is never written into, and replacing a run removes only that run's own
+  files. A resumed run trims its logs to the step of its checkpoint (the later steps are redone).
 """
 
 from __future__ import annotations
@@ -465,9 +466,11 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
 
 
 # --- Run folders: one run per folder ------------------------------------------------------------------------
-# What a run writes into its folder, besides checkpoint-*/ (all of it is replaced by --overwrite).
+# What a run writes into its folder, besides checkpoint-*/. `run.json` with a run id is the folder's marker:
+# --overwrite removes these and the run's own checkpoints, nothing else.
 RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png")
 RUN_FOLDERS = ("adapter", "tensorboard")
+LOCK_FILE = ".lock"  # cli.hold_lock's: never removed while the folder holds anything else
 
 
 def run_folder(output_dir: str | None, resume: str | None) -> Path:
@@ -483,6 +486,33 @@ def run_folder(output_dir: str | None, resume: str | None) -> Path:
     return folder
 
 
+def make_run_folder(out: Path) -> Path | None:
+    """Create `out` (and its missing parents), or a ValueError naming --output-dir; returns the topmost
+    folder created (None: it existed), so that a start that fails can remove what it made."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output-dir: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"--output-dir: {existing} is not writable")
+    missing = [p for p in (out, *out.parents) if not p.exists()]  # out first, the topmost last
+    out.mkdir(parents=True, exist_ok=True)
+    return missing[-1] if missing else None
+
+
+def read_run_record(out: Path) -> dict | None:
+    """run.json of `out` ({"run_id", "args"}), None when there is none; a ValueError naming it when it is not
+    this project's record."""
+    path = _regular(out / "run.json")
+    if not path.exists():
+        return None
+    record = None
+    with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+        record = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(record, dict) and isinstance(record.get("run_id"), str):
+        return record
+    raise ValueError(f"{path}: not a run record of this project (a JSON object with a run_id); damaged?")
+
+
 def logged_steps(metrics_path: Path) -> int:
     """The last step a metrics.jsonl records (0: only the step-0 evaluation; -1: none)."""
     steps = [-1]
@@ -492,30 +522,54 @@ def logged_steps(metrics_path: Path) -> int:
     return max(steps)
 
 
+def run_files(out: Path, run_id: str) -> tuple[list[Path], list[Path]]:
+    """(the run's own files and folders in `out`, everything else but the lock file). Its own: RUN_FILES,
+    RUN_FOLDERS, the checkpoints naming `run_id`, and leftovers of interrupted writes."""
+    own, others = [], []
+    for path in sorted(out.iterdir()):
+        name = path.name
+        leftover = re.fullmatch(r"\.(.+)\.[0-9a-f]{32}\.tmp", name)  # _atomic_write's temporary file
+        if name == LOCK_FILE:
+            continue
+        if (
+            name in RUN_FILES + RUN_FOLDERS
+            or re.fullmatch(r"checkpoint-\d+\.(tmp|old)", name)
+            or (leftover and leftover[1] in RUN_FILES)
+            or (name.startswith("checkpoint-") and checkpoint_run_id(path) == run_id)
+        ):
+            own.append(path)
+        else:
+            others.append(path)
+    return own, others
+
+
 def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
     """What starting a run in `out` means, or a ValueError naming the flag, before anything is written:
-    'resume', 'new', or 'replace' (--overwrite, or the leftovers of a start that failed before its first
-    step, which nothing can resume). A folder that holds another run is refused: one run per folder."""
+    'new', 'resume', or 'replace' (--overwrite; or a run without a checkpoint yet, which nothing can resume:
+    the same command starts it again). A folder without this project's run.json is never written into."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--output-dir: {out} is a file, not a folder")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        raise ValueError(f"--output-dir: {existing} is not writable")
-    checkpoints = list_checkpoints(out) if out.is_dir() else []
-    if resume:
-        if not (checkpoints or (Path(resume) / STATE_FILE).is_file()):
+    record = read_run_record(out) if out.is_dir() else None
+    if record is None:
+        if resume:
+            raise ValueError(f"--resume: {out} is not a run folder (no run.json)")
+        content = [p.name for p in sorted(out.iterdir()) if p.name != LOCK_FILE] if out.is_dir() else []
+        if content:
+            shown = ", ".join(content[:3]) + (f" and {len(content) - 3} more" if len(content) > 3 else "")
             raise ValueError(
-                f"--resume: {out} holds no checkpoint-* folder (one is written every --save-every)"
+                f"--output-dir: {out} is not a run folder of this project (no run.json) and holds {shown}; "
+                f"choose an empty or new folder"
             )
-        return "resume"
-    steps = logged_steps(out / "metrics.jsonl")
-    if not checkpoints and steps <= 0:
-        return "replace" if out.is_dir() and any((out / name).exists() for name in RUN_FILES) else "new"
-    if overwrite:
+        return "new"
+    own = [p for p in list_checkpoints(out) if checkpoint_run_id(p) == record["run_id"]]
+    if resume:
+        return "resume" if own or (Path(resume) / STATE_FILE).is_file() else "replace"
+    if not own or overwrite:
         return "replace"
     raise ValueError(
-        f"{out} already holds a run ({steps} steps logged, {len(checkpoints)} checkpoints): continue it with "
-        f"--resume {out}, choose another --output-dir, or delete it with --overwrite"
+        f"{out} already holds a run ({logged_steps(out / 'metrics.jsonl')} steps logged, {len(own)} "
+        f"checkpoints): continue it with --resume {out}, choose another --output-dir, or delete it with "
+        f"--overwrite"
     )
 
 
@@ -538,20 +592,23 @@ def trim_jsonl(path: Path, last_step: int) -> None:
     _atomic_write(path, b"".join(line + b"\n" for line in kept))
 
 
-def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: dict) -> None:
-    """The first write of a run (`mode` from check_run_folder): clear what it replaces, or trim the logs of
-    the resumed run to its checkpoint; run.json records which run owns the folder."""
-    if mode == "replace":
-        for name in RUN_FILES:
-            (out / name).unlink(missing_ok=True)
-        for folder in [*(out / name for name in RUN_FOLDERS), *out.glob("checkpoint-*")]:
-            shutil.rmtree(folder, ignore_errors=True)
+def open_run_folder(
+    out: Path, mode: str, run_id: str, start_step: int, config: dict
+) -> tuple[list[Path], list[Path]]:
+    """The first write of a run (`mode` from check_run_folder): remove the replaced run's own files, or trim
+    the logs of the resumed run to its checkpoint; then run.json records the run that owns the folder and its
+    settings (a resumed run's current ones). Returns (what was removed, what else the folder holds)."""
+    removed, kept = [], []
+    if mode == "replace" and (record := read_run_record(out)) is not None:
+        removed, kept = run_files(out, record["run_id"])
+        for path in removed:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob("checkpoint-*.tmp"):  # of a save that was killed: never a checkpoint
         shutil.rmtree(leftover, ignore_errors=True)
     if mode == "resume":
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
-    if mode != "resume" or not (out / "run.json").exists():
-        record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
-        (out / "run.json").write_text(record + "\n", encoding="utf-8")
+    record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
+    _atomic_write(out / "run.json", record.encode() + b"\n")
+    return removed, kept

@@ -29,9 +29,11 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -94,7 +96,8 @@ class Args:
     """A step with a non-finite loss or gradient is skipped; more than this many in a row stop the run."""
     output_dir: str | None = None
     """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
-    timings.jsonl, checkpoint-*/, adapter/, curves.png. One run per folder (else --resume or --overwrite)."""
+    timings.jsonl, checkpoint-*/, adapter/, curves.png. A new or empty folder, or a run folder (its run.json
+    names the run); one run and one process per folder."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1
@@ -112,9 +115,10 @@ class Args:
     """Keep only the newest this many checkpoints."""
     resume: str | None = None
     """A run folder (or one of its checkpoint-* folders) to continue, in that folder, from its latest (or
-    that) checkpoint. Give the run's flags again; --steps may grow."""
+    that) checkpoint, with the settings run.json records. Only RESUME_MAY_CHANGE's flags may be given
+    differently (--steps to extend it, logging, evaluation, saving, device, speed-ups)."""
     overwrite: bool = False
-    """Delete the run the output folder holds (its logs, checkpoints, adapter, curves), then start anew."""
+    """Delete the run the output folder holds (only its own files, which are listed), then start anew."""
     dry_run: bool = False
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
@@ -532,9 +536,8 @@ def writing(out: Path, path: Path | None = None):
             yield
     except cli.WriteFailed as e:
         kept = model_io.list_checkpoints(out)
-        then = f"the newest checkpoint, {kept[-1].name}, is intact" if kept else "no checkpoint was written"
-        again = f"python train.py --resume {out}" if kept else "start again with --overwrite"
-        then += f"; once the cause is gone: {again}"
+        then = f"the newest checkpoint, {kept[-1].name}, is intact" if kept else "no checkpoint yet"
+        then += f"; once the cause is gone: python train.py --resume {out}"
         raise cli.WriteFailed(f"{e}; {then}") from e.__cause__
 
 
@@ -563,6 +566,98 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     run.scheduler.load_state_dict(state["scheduler"])
     model_io.set_rng_state(state["rng"])
     return state["step"], state["beta"], run_id
+
+
+# The flags a resumed run may change: how long it trains, what it logs, evaluates and saves, where and how
+# fast it runs (speed-ups and devices of one kind give equal results to rounding), never a step's computation.
+RESUME_MAY_CHANGE = {
+    *("steps", "device", "log_every", "log_completions_every", "report_to", "eval_every"),
+    *("eval_image_ablation", "save_every", "keep_last", "max_bad_steps"),
+    *("output_dir", "resume", "overwrite", "dry_run"),
+    *(field.name for field in dataclasses.fields(speedups.SpeedConfig)),
+}
+
+
+def flat_settings(settings: dict) -> dict:
+    """Args as a dict (dataclasses.asdict, run.json's "args") -> {field: value}, groups flattened like the
+    flags; values as JSON gives them back (tuples as lists)."""
+    flat = {}
+    for key, value in settings.items():
+        flat.update(flat_settings(value) if isinstance(value, dict) else {key: json.loads(json.dumps(value))})
+    return flat
+
+
+def args_from_record(settings: dict, cls: type = Args):
+    """Args (or one settings group) from run.json's "args": JSON lists back to tuples; what it lacks keeps
+    the default."""
+    values = {}
+    for field in dataclasses.fields(cls):
+        value = settings.get(field.name, dataclasses.MISSING)
+        if dataclasses.is_dataclass(field.default_factory) and isinstance(value, dict):
+            values[field.name] = args_from_record(value, field.default_factory)
+        elif value is not dataclasses.MISSING:
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+def command_line(argv: list[str]) -> Args:
+    """The flags. With --resume DIR the run's recorded settings are the defaults, so that only what is typed
+    can differ from them (and `main` refuses what may not)."""
+    given = [a.partition("=")[2] or next(iter(argv[i + 1 :]), "") for i, a in enumerate(argv)]
+    resume = next((g for a, g in zip(argv, given) if a.partition("=")[0] == "--resume"), None)
+    if not resume:
+        return tyro.cli(Args, args=argv)
+    with cli.user_errors():
+        record = model_io.read_run_record(model_io.run_folder(None, resume)) or {}
+    recorded = args_from_record(record.get("args") or {})
+    return tyro.cli(Args, args=argv, default=dataclasses.replace(recorded, output_dir=None, overwrite=False))
+
+
+def resumed_settings(args: Args, out: Path) -> dict:
+    """--resume: refuse (cli.UsageError) every flag that differs from run.json's record but those in
+    RESUME_MAY_CHANGE; returns run.json's new "args": the record with the changes that may be made."""
+    with cli.user_errors():
+        record = model_io.read_run_record(out) or {}
+    recorded, given = flat_settings(record.get("args") or {}), flat_settings(dataclasses.asdict(args))
+    changed = [
+        k for k, v in given.items() if k in recorded and recorded[k] != v and k not in RESUME_MAY_CHANGE
+    ]
+    differ = [
+        f"--{k.replace('_', '-')} recorded {json.dumps(recorded[k])}, given {json.dumps(given[k])}"
+        for k in changed
+    ]
+    cli.check(not differ, f"--resume {out}", f"these flags differ from the recorded run: {'; '.join(differ)}")
+    if lacking := [k for k in given if k not in recorded]:  # a run.json of an older version
+        named = ", ".join(f"--{k.replace('_', '-')}" for k in lacking) if recorded else "settings"
+        print(f"{out}/run.json records no {named}: the flags given (or their defaults) are used")
+    where = {
+        k: v for k, v in (record.get("args") or {}).items() if k in ("output_dir", "resume", "overwrite")
+    }
+    return {**dataclasses.asdict(args), **where}  # run.json keeps where the run was first started
+
+
+def checkpoint_step(resume: str, out: Path) -> int:
+    """The step of the checkpoint `--resume` continues from: the one named, or the run folder's newest."""
+    named = Path(resume)
+    checkpoint = named if (named / model_io.STATE_FILE).is_file() else model_io.list_checkpoints(out)[-1]
+    return int(checkpoint.name.rpartition("-")[2])
+
+
+def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
+    """run.json's "args" for this start (a resumed run: the record, checked, with the changes allowed), or
+    None when --resume finds the run finished: then it says so, and how to extend it."""
+    if mode != "resume":
+        print_if(
+            writer and args.resume and mode == "replace", f"{out}: no checkpoint yet, starting at step 0"
+        )
+        return dataclasses.asdict(args)
+    settings, done = resumed_settings(args, out), checkpoint_step(args.resume, out)
+    if done < args.steps:
+        return settings
+    cli.check(done == args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}")
+    again = f"python train.py --resume {out} --steps M (M > {done})"
+    print_if(writer, f"{out}: the run is finished at step {done}; to train further: {again}")
+    return None
 
 
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
@@ -638,6 +733,25 @@ def dry_run(run: Run, args: Args) -> dict:
 # --- Main: check, set up, then the loop: step -> log -> evaluate -> checkpoint ------------------------------
 
 
+def failed_step(error: BaseException, step: int, run: Run, out: Path, beta: float, run_id: str, args: Args):
+    """After the user's code failed (a reward plug-in, a bad sample) or a signal stopped it: the checkpoint
+    of the last finished `step` (unless written already; none before step 1), so that `--resume` continues
+    once it is fixed, then the error again, its message saying so. A bug returns: its traceback as it is."""
+    message = getattr(error, "user_message", None)
+    if message is None and not isinstance(error, cli.UsageError | cli.Stopped):
+        return
+    if step > 0 and not (out / f"checkpoint-{step:06d}").exists():
+        save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
+    again = f"python train.py --resume {out}" if step > 0 else "the same command (it starts the run again)"
+    done = f"checkpoint of step {step} written" if step > 0 else "no step finished"
+    if isinstance(error, cli.Stopped):
+        raise cli.Stopped(f"{error} while a reward function ran; {done}. Continue with: {again}")
+    if message is None:
+        raise cli.UsageError(f"{error}; {done}. Once that is fixed, continue with: {again}")
+    error.user_message = f"{message}; {done}. Once that is fixed, continue with: {again}"
+    raise error
+
+
 def train_loop(
     run: Run,
     args: Args,
@@ -651,14 +765,26 @@ def train_loop(
     """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
     bad_in_a_row = 0
     for step in range(start_step + 1, args.steps + 1):
-        record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
+        rng = model_io.rng_state()  # the checkpoint of step - 1 takes it, should this step fail in user code
+        try:
+            record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
+        except (Exception, cli.Stopped) as error:
+            if log is not None:  # NOTE: the rewards come before the update: the model holds step - 1's state
+                model_io.set_rng_state(rng)
+                failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised there
+            raise
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
         if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
             beta = grpo.adapt_beta(beta, record["kl"], args.loss)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
         if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
-            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                record.update(evaluate(run, args))
+            try:
+                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                    record.update(evaluate(run, args))
+            except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
+                log.step(record, timings, completions, bad_in_a_row)
+                failed_step(error, step, run, out, beta, run_id, args)
+                raise
             with writing(out):  # metrics, timings, rollouts: an OSError names the file
                 log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
@@ -666,28 +792,59 @@ def train_loop(
             save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
         if halt:
             distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
-            again = f"python train.py --resume {out} <the same flags, --steps may grow>"
-            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: {again}"
+            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
+            message += f"python train.py --resume {out}"
             if stop.requests:
                 raise cli.Stopped(message)
             raise SystemExit(message)
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 
+@contextlib.contextmanager
+def run_folder_lock(out: Path, hold: bool) -> Iterator[None]:
+    """One writer per run folder: its lock (cli.hold_lock), taken before anything looks into the folder and
+    held until the run ends; the kernel releases it when the process dies, however it dies. A start that
+    fails before its first write (no run record) removes the lock file and the folders it made."""
+    if not hold:
+        yield
+        return
+    with cli.user_errors():
+        created = model_io.make_run_folder(out)
+    lock_file, new_lock = out / model_io.LOCK_FILE, not (out / model_io.LOCK_FILE).exists()
+    lock = cli.hold_lock(lock_file, f"run folder {out}")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):  # a damaged run.json is no run record either
+            new_lock = new_lock and model_io.read_run_record(out) is None
+        if new_lock:
+            lock_file.unlink()
+            with contextlib.suppress(OSError):  # only the empty folders this process made
+                for folder in (out, *out.parents) if created is not None else ():
+                    folder.rmdir()
+                    if folder == created:
+                        break
+        lock.close()
+
+
 def main(args: Args) -> dict:
     """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
     a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
-    current step and a checkpoint."""
-    with cli.signals() as stop:  # Ctrl-C / SIGTERM: at once during set-up, after the step during training
+    current step (at once while a reward function runs) and a checkpoint."""
+    with cli.signals(abortable=(rewards.score,)) as stop, contextlib.ExitStack() as held:  # see cli.Signals
         check_args(args)
         with cli.user_errors():
             device = distributed.resolve_device(args.device)
+            out = model_io.run_folder(args.output_dir, args.resume)
         rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+        held.enter_context(run_folder_lock(out, hold=writer and not args.dry_run))  # --dry-run writes nothing
         with cli.user_errors():
-            out = model_io.run_folder(args.output_dir, args.resume)
-            if not args.dry_run:  # nothing is written before the loop
-                mode = model_io.check_run_folder(out, resume=args.resume, overwrite=args.overwrite)
+            options = dict(resume=args.resume, overwrite=args.overwrite)
+            mode = "new" if args.dry_run else model_io.check_run_folder(out, **options)
+        if (settings := run_settings(args, out, mode, writer)) is None:
+            return {}  # --resume of a finished run
+        with cli.user_errors():
             dtype = model_io.resolve_dtype(args.dtype, device)
             run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
         if args.dry_run:
@@ -701,10 +858,13 @@ def main(args: Args) -> dict:
         stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
         log = None
         if writer:
-            settings = dataclasses.asdict(args)
             with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
-                model_io.open_run_folder(out, mode, run_id, start_step, settings)
+                removed, kept = model_io.open_run_folder(out, mode, run_id, start_step, settings)
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
+            left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""
+            print_if(
+                removed, f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
+            )
             accuracy = (first or {}).get("eval/accuracy")
             progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)
             log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
@@ -721,6 +881,6 @@ def main(args: Args) -> dict:
 
 if __name__ == "__main__":
     try:
-        cli.run(main, tyro.cli(Args))
+        cli.run(lambda argv: main(command_line(argv)), sys.argv[1:])
     finally:
         distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

@@ -278,7 +278,8 @@ def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there(
 
 
 def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):
-    save(tmp_path, 1)
+    (tmp_path / "run.json").write_text('{"run_id": "r"}')
+    save(tmp_path, 1, run_id="r")
     leftover = tmp_path / "checkpoint-2.tmp"
     leftover.mkdir()
     (leftover / "half_written.bin").write_bytes(b"partial")
@@ -389,7 +390,8 @@ def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blo
 def test_a_leftover_temporary_checkpoint_folder_is_removed_when_the_run_folder_opens_and_never_resumed(
     tmp_path,
 ):
-    save(tmp_path, 1)
+    (tmp_path / "run.json").write_text('{"run_id": "r"}')
+    save(tmp_path, 1, run_id="r")
     leftover = tmp_path / "checkpoint-2.tmp"  # a save killed before the rename that completes it
     leftover.mkdir()
     (leftover / model_io.STATE_FILE).write_bytes(b"half")

@@ -44,11 +44,12 @@ def small_args(out: Path, **overrides) -> train.Args:
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
-    """sha256 of every file below `folder`: 'nothing already written is damaged' made checkable."""
+    """sha256 of every file below `folder` but the lock file (it names its latest holder): 'nothing already
+    written is damaged' made checkable."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != model_io.LOCK_FILE
     }
 
 
@@ -330,7 +331,7 @@ def test_bad_data_stops_before_training_naming_file_and_line_and_damages_nothing
     shutil.copytree(finished_run, run)
     before = tree_digest(run)
     args = small_args(
-        run, steps=3, resume=str(run), data=(str(data_file),), reward=("label",), max_prompt_length=20
+        run, steps=3, overwrite=True, data=(str(data_file),), reward=("label",), max_prompt_length=20
     )
     with pytest.raises((ValueError, FileNotFoundError), match=pattern):
         train.main(args)
@@ -356,14 +357,14 @@ def test_a_large_image_is_resized_to_the_processors_pixel_budget_not_rejected(tm
         ({"reward": ("not_a_module_xyz:fn",)}, r"not_a_module_xyz"),
         ({"model": "/definitely/not/a/model"}, r"/definitely/not/a/model"),
         ({"lora_last_k": 7}, r"last_k"),
-        ({"lora_r": 4}, r"different config.*'r': 4.*'r': 8"),  # the checkpoint has r = 8
+        ({"lora_r": 4, "resume": "run"}, r"--lora-r recorded 8, given 4"),  # a resumed run keeps r = 8
     ],
     ids=[
         "unknown reward",
         "plug-in that does not import",
         "missing model path",
         "K above the block count",
-        "adapter from a different model",
+        "resumed with another LoRA rank",
     ],
 )
 def test_bad_configuration_stops_with_a_clear_message_and_damages_nothing(
@@ -373,7 +374,8 @@ def test_bad_configuration_stops_with_a_clear_message_and_damages_nothing(
     shutil.copytree(finished_run, run)
     before = tree_digest(run)
     with pytest.raises((ValueError, FileNotFoundError), match=pattern):
-        train.main(small_args(run, steps=3, resume=str(run), **overrides))
+        where = {"resume": str(run)} if "resume" in overrides else {"overwrite": True}
+        train.main(small_args(run, steps=3, **{**overrides, **where}))
     assert tree_digest(run) == before
 
 
