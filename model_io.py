@@ -561,7 +561,9 @@ def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
                 f"choose an empty or new folder"
             )
         return "new"
-    own = [p for p in list_checkpoints(out) if checkpoint_run_id(p) == record["run_id"]]
+    # NOTE: a checkpoint naming no run (an older version's, or a damaged checkpoint.json) may be this run's:
+    # resume verifies it; --overwrite leaves it in place
+    own = [p for p in list_checkpoints(out) if checkpoint_run_id(p) in (record["run_id"], None)]
     if resume:
         return "resume" if own or (Path(resume) / STATE_FILE).is_file() else "replace"
     if not own or overwrite:

@@ -637,10 +637,10 @@ def resumed_settings(args: Args, out: Path) -> dict:
 
 
 def checkpoint_step(resume: str, out: Path) -> int:
-    """The step of the checkpoint `--resume` continues from: the one named, or the run folder's newest."""
-    named = Path(resume)
-    checkpoint = named if (named / model_io.STATE_FILE).is_file() else model_io.list_checkpoints(out)[-1]
-    return int(checkpoint.name.rpartition("-")[2])
+    """The step of the checkpoint `--resume` continues from: the one named, or the newest intact one."""
+    with cli.user_errors("--resume: "):
+        _, state, _, _ = model_io.checkpoint_to_resume(resume, out)
+    return int(state["step"])
 
 
 def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
@@ -652,9 +652,9 @@ def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
         )
         return dataclasses.asdict(args)
     settings, done = resumed_settings(args, out), checkpoint_step(args.resume, out)
-    if done < args.steps:
-        return settings
-    cli.check(done == args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}")
+    cli.check(done <= args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}")
+    if done < args.steps or not (out / "curves.png").is_file():  # NOTE: written last; a run that stopped
+        return settings  # while writing its final adapter or curves resumes to write them
     again = f"python train.py --resume {out} --steps M (M > {done})"
     print_if(writer, f"{out}: the run is finished at step {done}; to train further: {again}")
     return None
