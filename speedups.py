@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import StaticCache
 
 import grpo
 import lora
@@ -63,9 +65,26 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tuple[Any, ...]:
+# Steps between two reads of "has every row ended?": a read makes the host wait for the device, which then
+# idles while the host queues the next step. Up to K - 1 steps past the last EOS are drawn, then undone.
+FINISHED_CHECK_EVERY = 8
+
+
+def _static_cache(model: nn.Module, prefilled: Any, group_size: int, length: int) -> StaticCache:
+    """The prefill's cache (B rows) copied G times into a pre-allocated one of `length` positions (N rows): a
+    step writes its keys and values in place instead of concatenating the whole cache anew."""
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    for layer, prompt in zip(cache.layers, prefilled.layers, strict=True):
+        # NOTE: each prompt's keys and values are stored G times: the model's attention reads each row's own
+        # keys; storing them once per prompt would need an attention over a shared prefix.
+        layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
+    return cache
+
+
+def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_new_tokens: int) -> tuple:
     """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
-    last logits (N, V), the KV cache (N rows) and the RoPE position of the first new token (N, 1)."""
+    last logits (N, V), the static KV cache (N rows, P + T positions) and the RoPE position of the first new
+    token (N, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
     if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
         model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
@@ -83,10 +102,19 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tu
                 " this model keeps none: sample with sample_completions (generate) instead"
             )
         position = position + deltas.to(position.device)
-    cache = out[_cache_keyword(model)]
-    cache.batch_repeat_interleave(group_size)  # (B, ...) -> (N, ...): each prompt's keys and values, G times
+    P = inputs["input_ids"].shape[1]
+    cache = _static_cache(model, out[_cache_keyword(model)], group_size, P + max_new_tokens)
     logits = out.logits[:, -1]  # (B, V)
     return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    """The state of the generator torch.multinomial draws from on `device` (host-side: no device sync)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(state: Tensor, device: torch.device) -> None:
+    torch.cuda.set_rng_state(state, device) if device.type == "cuda" else torch.set_rng_state(state)
 
 
 @torch.no_grad()
@@ -119,36 +147,46 @@ def sample_shared_prefill(
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
     hooked = record_block is not None  # the hook's handle removes it on exit
-    with record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext():
-        logits, cache, position = _prefill(model, inputs, group_size)  # (N, V), N rows, (N, 1)
-        N, V = logits.shape
-        mask = inputs["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    with (
+        record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext(),
+        lora.weights_cast_once(model),  # the adapters' fp32 weights cast to the activations' dtype once
+    ):
+        logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
+        (N, V), device = logits.shape, logits.device
+        # The causal mask hides the positions still to be written: the padding mask is set once, for all T.
+        mask = F.pad(inputs["attention_mask"], (0, max_new_tokens), value=1).repeat_interleave(group_size, 0)
         if any(not 0 <= t < V for t in suppress_token_ids):  # NOTE: a negative id would index from the end
             raise ValueError(f"suppress_token_ids must lie in [0, {V}), got {sorted(suppress_token_ids)}")
-        suppressed = torch.zeros(V, dtype=torch.bool, device=logits.device)  # (V,)
+        suppressed = torch.zeros(V, dtype=torch.bool, device=device)  # (V,)
         suppressed[list(suppress_token_ids)] = True
-        running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
-        ends = torch.as_tensor(eos_token_id, device=logits.device).reshape(-1)  # one id or several
-        tokens, cache_keyword = [], _cache_keyword(model)
+        running = torch.ones(N, dtype=torch.bool, device=device)  # (N,) no EOS yet
+        ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)  # one id or several
+        tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
+        rng_states, cache_keyword = [], _cache_keyword(model)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
+            rng_states.append(_rng_state(device))
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
-            token = torch.where(running, token, pad_token_id)
-            tokens.append(token)
-            running &= ~torch.isin(token, ends)  # any end-of-turn id ends the row
-            if t == max_new_tokens - 1 or not running.any():
+            tokens[:, t] = torch.where(running, token, pad_token_id)
+            running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
+            if t == max_new_tokens - 1 or ((t + 1) % FINISHED_CHECK_EVERY == 0 and not running.any()):
                 break
-            mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)  # (N, P + t + 1)
             logits = model(
-                input_ids=token[:, None],
+                input_ids=tokens[:, t, None],
                 attention_mask=mask,
                 position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
                 use_cache=True,
                 **{cache_keyword: cache},
             ).logits[:, -1]  # (N, V)
-    if recorded:
-        recorded[0] = recorded[0].repeat_interleave(group_size, dim=0)  # the prompt's (B, P, H) -> (N, P, H)
-    return torch.stack(tokens, dim=1), (torch.cat(recorded, dim=1) if recorded else None)
+    # generate stops at the step where the last row ended: drop the steps drawn after it and undo their draws.
+    ended = torch.isin(tokens[:, : t + 1], ends)  # (N, t + 1)
+    if bool(ended.any(dim=1).all()):
+        t = int(ended.to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
+        _set_rng_state(rng_states[t], device)
+    if not recorded:
+        return tokens[:, : t + 1], None
+    prompts = recorded[0].repeat_interleave(group_size, dim=0)  # (B, P, H) -> (N, P, H)
+    return tokens[:, : t + 1], torch.cat([prompts, *recorded[1 : t + 1]], dim=1)  # (N, P + T - 1, H)
 
 
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------
