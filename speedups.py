@@ -5,8 +5,9 @@ A run chooses them once (`choose`, from `SpeedConfig`: the flags); the training 
 Each section re-arranges one grpo.py function:
 
 1. Shared prefill (`sample_completions`). generate(num_return_sequences=G) prefills every prompt G times;
-   `sample_shared_prefill` prefills it once, copies the KV cache to the G rows and decodes with generate's
-   own sampler, op for op: the same tokens for the same seed.
+   `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
+   decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
+   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended.
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -65,9 +66,10 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-# Steps between two reads of "has every row ended?": a read makes the host wait for the device, which then
-# idles while the host queues the next step. Up to K - 1 steps past the last EOS are drawn, then undone.
-FINISHED_CHECK_EVERY = 8
+# Steps between two reads of "has every row ended?", by device type. On a GPU a read makes the host wait for
+# the device, which then idles while the host queues the next step: every 8 steps, and the up to 7 steps
+# drawn past the last EOS are undone. On the CPU a read waits for nothing: every step, none drawn in vain.
+FINISHED_CHECK_EVERY = {"cpu": 1, "cuda": 8}
 
 
 def _static_cache(model: nn.Module, prefilled: Any, group_size: int, length: int) -> StaticCache:
@@ -162,6 +164,7 @@ def sample_shared_prefill(
         running = torch.ones(N, dtype=torch.bool, device=device)  # (N,) no EOS yet
         ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)  # one id or several
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
+        every = FINISHED_CHECK_EVERY.get(device.type, FINISHED_CHECK_EVERY["cuda"])  # other accelerators: 8
         rng_states, cache_keyword = [], _cache_keyword(model)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
@@ -169,7 +172,7 @@ def sample_shared_prefill(
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
             tokens[:, t] = torch.where(running, token, pad_token_id)
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
-            if t == max_new_tokens - 1 or ((t + 1) % FINISHED_CHECK_EVERY == 0 and not running.any()):
+            if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
             logits = model(
                 input_ids=tokens[:, t, None],
