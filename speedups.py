@@ -49,8 +49,7 @@ def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tenso
     scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
     if temperature == 0:  # greedy
         return scores.argmax(dim=-1)
-    if temperature != 1:
-        scores = scores / temperature
+    scores = scores / temperature  # exact for 1 (generate skips it there)
     if top_p < 1:
         # Drop the least likely tokens whose cumulative probability, counted from the bottom, is <= 1 - top_p.
         sorted_scores, order = torch.sort(scores, descending=False)  # (N, V) least likely first
@@ -72,21 +71,9 @@ def _cache_keyword(model: nn.Module) -> str:
 FINISHED_CHECK_EVERY = {"cpu": 1, "cuda": 8}
 
 
-def _static_cache(model: nn.Module, prefilled: Any, group_size: int, length: int) -> StaticCache:
-    """The prefill's cache (B rows) copied G times into a pre-allocated one of `length` positions (N rows): a
-    step writes its keys and values in place instead of concatenating the whole cache anew."""
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    for layer, prompt in zip(cache.layers, prefilled.layers, strict=True):
-        # NOTE: each prompt's keys and values are stored G times: the model's attention reads each row's own
-        # keys; storing them once per prompt would need an attention over a shared prefix.
-        layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
-    return cache
-
-
 def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_new_tokens: int) -> tuple:
-    """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
-    last logits (N, V), the static KV cache (N rows, P + T positions) and the RoPE position of the first new
-    token (N, 1)."""
+    """One forward over the B prompts, then what decoding needs for the G rows of each: last logits (N, V),
+    a pre-allocated KV cache of P + T positions (N rows), the RoPE position of the first new token (N, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
     if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
         model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
@@ -104,19 +91,12 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
                 " this model keeps none: sample with sample_completions (generate) instead"
             )
         position = position + deltas.to(position.device)
-    P = inputs["input_ids"].shape[1]
-    cache = _static_cache(model, out[_cache_keyword(model)], group_size, P + max_new_tokens)
+    cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + max_new_tokens)
+    for layer, prompt in zip(cache.layers, out[_cache_keyword(model)].layers, strict=True):
+        # NOTE: each prompt's keys and values stored G times: once needs an attention over a shared prefix
+        layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
     logits = out.logits[:, -1]  # (B, V)
     return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
-
-
-def _rng_state(device: torch.device) -> Tensor:
-    """The state of the generator torch.multinomial draws from on `device` (host-side: no device sync)."""
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(state: Tensor, device: torch.device) -> None:
-    torch.cuda.set_rng_state(state, device) if device.type == "cuda" else torch.set_rng_state(state)
 
 
 @torch.no_grad()
@@ -148,11 +128,9 @@ def sample_shared_prefill(
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
-    hooked = record_block is not None  # the hook's handle removes it on exit
-    with (
-        record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext(),
-        lora.weights_cast_once(model),  # the adapters' fp32 weights cast to the activations' dtype once
-    ):
+    hooked = record_block is not None
+    hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext()
+    with hook, lora.weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
         logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
         (N, V), device = logits.shape, logits.device
         # The causal mask hides the positions still to be written: the padding mask is set once, for all T.
@@ -164,11 +142,13 @@ def sample_shared_prefill(
         running = torch.ones(N, dtype=torch.bool, device=device)  # (N,) no EOS yet
         ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)  # one id or several
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
-        every = FINISHED_CHECK_EVERY.get(device.type, FINISHED_CHECK_EVERY["cuda"])  # other accelerators: 8
-        rng_states, cache_keyword = [], _cache_keyword(model)
+        every, rng_states, cache_keyword = FINISHED_CHECK_EVERY.get(device.type, 1), [], _cache_keyword(model)
+        rng = (
+            torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
+        )
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
-            rng_states.append(_rng_state(device))
+            rng_states.append(rng.get_state())  # the generator multinomial draws from
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
             tokens[:, t] = torch.where(running, token, pad_token_id)
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
@@ -181,15 +161,12 @@ def sample_shared_prefill(
                 use_cache=True,
                 **{cache_keyword: cache},
             ).logits[:, -1]  # (N, V)
-    # generate stops at the step where the last row ended: drop the steps drawn after it and undo their draws.
-    ended = torch.isin(tokens[:, : t + 1], ends)  # (N, t + 1)
-    if bool(ended.any(dim=1).all()):
-        t = int(ended.to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
-        _set_rng_state(rng_states[t], device)
-    if not recorded:
-        return tokens[:, : t + 1], None
-    prompts = recorded[0].repeat_interleave(group_size, dim=0)  # (B, P, H) -> (N, P, H)
-    return tokens[:, : t + 1], torch.cat([prompts, *recorded[1 : t + 1]], dim=1)  # (N, P + T - 1, H)
+    if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
+        t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
+        rng.set_state(rng_states[t])  # and undo their draws
+    if recorded:  # the prompts' (B, P, H) for their G rows, then the t tokens fed: (N, P + T - 1, H)
+        recorded = [recorded[0].repeat_interleave(group_size, dim=0), *recorded[1 : t + 1]]
+    return tokens[:, : t + 1], (torch.cat(recorded, dim=1) if recorded else None)
 
 
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------
