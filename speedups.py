@@ -49,7 +49,8 @@ def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tenso
     scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
     if temperature == 0:  # greedy
         return scores.argmax(dim=-1)
-    scores = scores / temperature  # exact for 1 (generate skips it there)
+    if temperature != 1:
+        scores = scores / temperature
     if top_p < 1:
         # Drop the least likely tokens whose cumulative probability, counted from the bottom, is <= 1 - top_p.
         sorted_scores, order = torch.sort(scores, descending=False)  # (N, V) least likely first
@@ -120,9 +121,7 @@ def sample_shared_prefill(
     grpo.check_inputs(inputs)
     grpo.check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
-        raise ValueError(
-            f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"
-        )
+        raise ValueError(f"need max_new_tokens >= 1, group_size >= 1; got {max_new_tokens=}, {group_size=}")
     recorded: list[Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
 
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
