@@ -2,26 +2,20 @@
 
 Implements LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): a frozen linear layer
 W gets a trainable low-rank update, y = W x + (alpha / r) * B A dropout(x), A kaiming-uniform and B zero, so
-training starts exactly at the base model. Pass a model's blocks (`blocks=gpt.transformer.h[-2:]`) or let
-`find_decoder_blocks` find a transformers model's; model_io.py saves and loads adapters in PEFT's format.
+training starts exactly at the base model. model_io.py saves and loads adapters in PEFT's format.
 Legend: `K` adapted blocks, `r` rank, `alpha` (scaling = alpha / r), `d_in`/`d_out` a layer's features.
 
 Choices and sharp edges:
-- Only the blocks passed, or the language model's decoder blocks, are adapted, never the vision tower
-  (Qwen2.5-VL's vision MLP also has `gate_proj`/`up_proj`/`down_proj`; matching names alone would adapt it).
-  `inject_lora` freezes every other parameter: reentrant activation checkpointing (not transformers 5's
-  default) then needs `model.enable_input_require_grads()`.
+- Never the vision tower (its MLP has `gate_proj` too); `inject_lora` freezes every other parameter, so
+  reentrant checkpointing (not transformers 5's default) needs `model.enable_input_require_grads()`.
 - A and B, and so AdamW's moments, are fp32 whatever the base dtype (as PEFT): bf16 adapters lose every update
-  below bf16's spacing (an A entry of 0.1 cannot move by less than 2**-11). `lora_fp32=False` keeps them in
-  the base dtype, half the memory, at that cost.
+  below bf16's spacing. `lora_fp32=False` keeps them in the base dtype, half the memory, at that cost.
 - The branch computes in the activation dtype: A and B (tiny) are cast down, never the (tokens, d_in) input
-  up, so a bf16 forward stays on bf16 matmuls and keeps no fp32 copy of the input for backward (PEFT upcasts
-  it); autograd casts their gradients back to fp32. `delta_weight` (merge, unmerge) is fp32, rounded once.
-- LoRA dropout follows the wrapped layer's mode (HF models load in eval), then `.train()`/`.eval()`.
-- Merging is explicit, never a side effect of `.train()`/`.eval()`; merging twice, unmerging an unmerged
-  model, merging inside `adapters_disabled` or disabling merged adapters raise RuntimeError; merged, A and B
-  get no gradient. A bf16 merge/unmerge round trip rounds the base weight (~2**-8 relative): merge once, to
-  export, with `unload_lora`, which also renames `...q_proj.base_layer.weight` back to the standard key.
+  up (PEFT upcasts it): bf16 matmuls, no fp32 copy of the input kept for backward. `weights_cast_once` casts
+  them once for all of a sampler's token steps.
+- Dropout follows the wrapped layer's mode (HF models load in eval). Merging (in fp32, rounded once) is
+  explicit, never a side effect of `.train()`/`.eval()`; misuse (merging twice, inside `adapters_disabled`,
+  ...) raises RuntimeError. A bf16 merge/unmerge round trip rounds W (~2**-8): merge once, to export.
 """
 
 import math
@@ -92,9 +86,8 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)  # B = 0: the adapted model starts equal to the base
         self.merged = False  # True while B @ A * scaling is folded into base_layer.weight
         self.disabled = False  # True inside adapters_disabled(): forward is the base layer alone
-        # NOTE: a new nn.Module starts in training mode; inherit the mode so that injecting into an
-        # eval-mode model does not silently switch LoRA dropout on.
-        self.train(base_layer.training)
+        self.cast: tuple[Tensor, Tensor] | None = None  # A, B in the base dtype, in weights_cast_once()
+        self.train(base_layer.training)  # NOTE: inherited: a new module starts in training mode (dropout on)
 
     # Code that reads `self.q_proj.weight` (dtype probes, attention kernels) still finds the base weight.
     @property
@@ -113,7 +106,7 @@ class LoRALinear(nn.Module):
         out = self.base_layer(x)
         if self.disabled or self.merged:  # merged: the update is already inside base_layer.weight
             return out
-        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)  # A, B cast down, never x up
+        a, b = self.cast or [w.to(x.dtype) for w in (self.lora_A.weight, self.lora_B.weight)]  # x not upcast
         lora = F.linear(F.linear(self.dropout(x), a), b)  # (..., d_out)
         return out + (lora * self.scaling).to(out.dtype)
 
@@ -208,6 +201,20 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             m.disabled = flag
 
 
+@contextmanager
+def weights_cast_once(model: nn.Module) -> Iterator[None]:
+    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged)."""
+    modules = lora_modules(model).values()  # any model: without adapters, nothing to cast
+    with torch.no_grad():  # the casts are constants: nothing inside trains A or B
+        for m in modules:
+            m.cast = (m.lora_A.weight.to(m.weight.dtype), m.lora_B.weight.to(m.weight.dtype))
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.cast = None
+
+
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> None:
     """Fold B @ A * scaling into every base weight (in its own dtype). Merging twice raises RuntimeError."""
@@ -217,8 +224,7 @@ def merge_lora(model: nn.Module) -> None:
     if any(m.disabled for m in modules):
         raise RuntimeError("cannot merge inside adapters_disabled()")
     for m in modules:
-        w = m.base_layer.weight
-        w.copy_((w.float() + m.delta_weight()).to(w.dtype))  # sum in fp32, round once
+        m.weight.copy_((m.weight.float() + m.delta_weight()).to(m.weight.dtype))  # sum in fp32, round once
         m.merged = True
 
 
@@ -229,8 +235,7 @@ def unmerge_lora(model: nn.Module) -> None:
     if not all(m.merged for m in modules):
         raise RuntimeError("LoRA weights are not merged")
     for m in modules:
-        w = m.base_layer.weight
-        w.copy_((w.float() - m.delta_weight()).to(w.dtype))
+        m.weight.copy_((m.weight.float() - m.delta_weight()).to(m.weight.dtype))
         m.merged = False
 
 

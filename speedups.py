@@ -5,8 +5,9 @@ A run chooses them once (`choose`, from `SpeedConfig`: the flags); the training 
 Each section re-arranges one grpo.py function:
 
 1. Shared prefill (`sample_completions`). generate(num_return_sequences=G) prefills every prompt G times;
-   `sample_shared_prefill` prefills it once, copies the KV cache to the G rows and decodes with generate's
-   own sampler, op for op: the same tokens for the same seed.
+   `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
+   decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
+   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended.
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -32,7 +33,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import StaticCache
 
 import grpo
 import lora
@@ -63,9 +66,15 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tuple[Any, ...]:
-    """One forward over the B prompts, then what decoding needs, repeated for the G rows of each prompt: the
-    last logits (N, V), the KV cache (N rows) and the RoPE position of the first new token (N, 1)."""
+# Steps between two reads of "has every row ended?", by device type. On a GPU a read makes the host wait for
+# the device, which then idles while the host queues the next step: every 8 steps, and the up to 7 steps
+# drawn past the last EOS are undone. On the CPU a read waits for nothing: every step, none drawn in vain.
+FINISHED_CHECK_EVERY = {"cpu": 1, "cuda": 8}
+
+
+def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_new_tokens: int) -> tuple:
+    """One forward over the B prompts, then what decoding needs for the G rows of each: last logits (N, V),
+    a pre-allocated KV cache of P + T positions (N rows), the RoPE position of the first new token (N, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
     if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
         model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
@@ -83,8 +92,10 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int) -> tu
                 " this model keeps none: sample with sample_completions (generate) instead"
             )
         position = position + deltas.to(position.device)
-    cache = out[_cache_keyword(model)]
-    cache.batch_repeat_interleave(group_size)  # (B, ...) -> (N, ...): each prompt's keys and values, G times
+    cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + max_new_tokens)
+    for layer, prompt in zip(cache.layers, out[_cache_keyword(model)].layers, strict=True):
+        # NOTE: each prompt's keys and values stored G times: once needs an attention over a shared prefix
+        layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
     logits = out.logits[:, -1]  # (B, V)
     return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
 
@@ -110,45 +121,51 @@ def sample_shared_prefill(
     grpo.check_inputs(inputs)
     grpo.check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
-        raise ValueError(
-            f"need max_new_tokens >= 1 and group_size >= 1, got {max_new_tokens=}, {group_size=}"
-        )
+        raise ValueError(f"need max_new_tokens >= 1, group_size >= 1; got {max_new_tokens=}, {group_size=}")
     recorded: list[Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
 
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
-    hooked = record_block is not None  # the hook's handle removes it on exit
-    with record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext():
-        logits, cache, position = _prefill(model, inputs, group_size)  # (N, V), N rows, (N, 1)
-        N, V = logits.shape
-        mask = inputs["attention_mask"].repeat_interleave(group_size, dim=0)  # (N, P)
+    hooked = record_block is not None
+    hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext()
+    with hook, lora.weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
+        logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
+        (N, V), device = logits.shape, logits.device
+        # The causal mask hides the positions still to be written: the padding mask is set once, for all T.
+        mask = F.pad(inputs["attention_mask"], (0, max_new_tokens), value=1).repeat_interleave(group_size, 0)
         if any(not 0 <= t < V for t in suppress_token_ids):  # NOTE: a negative id would index from the end
             raise ValueError(f"suppress_token_ids must lie in [0, {V}), got {sorted(suppress_token_ids)}")
-        suppressed = torch.zeros(V, dtype=torch.bool, device=logits.device)  # (V,)
+        suppressed = torch.zeros(V, dtype=torch.bool, device=device)  # (V,)
         suppressed[list(suppress_token_ids)] = True
-        running = torch.ones(N, dtype=torch.bool, device=logits.device)  # (N,) no EOS yet
-        ends = torch.as_tensor(eos_token_id, device=logits.device).reshape(-1)  # one id or several
-        tokens, cache_keyword = [], _cache_keyword(model)
+        running = torch.ones(N, dtype=torch.bool, device=device)  # (N,) no EOS yet
+        ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)  # one id or several
+        tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
+        every, rng_states, cache_keyword = FINISHED_CHECK_EVERY.get(device.type, 1), [], _cache_keyword(model)
+        rng = (
+            torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
+        )
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
+            rng_states.append(rng.get_state())  # the generator multinomial draws from
             # Finished rows get padding; they are still drawn for, so the RNG advances as in generate.
-            token = torch.where(running, token, pad_token_id)
-            tokens.append(token)
-            running &= ~torch.isin(token, ends)  # any end-of-turn id ends the row
-            if t == max_new_tokens - 1 or not running.any():
+            tokens[:, t] = torch.where(running, token, pad_token_id)
+            running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
+            if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
-            mask = torch.cat([mask, mask.new_ones(N, 1)], dim=1)  # (N, P + t + 1)
             logits = model(
-                input_ids=token[:, None],
+                input_ids=tokens[:, t, None],
                 attention_mask=mask,
                 position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
                 use_cache=True,
                 **{cache_keyword: cache},
             ).logits[:, -1]  # (N, V)
-    if recorded:
-        recorded[0] = recorded[0].repeat_interleave(group_size, dim=0)  # the prompt's (B, P, H) -> (N, P, H)
-    return torch.stack(tokens, dim=1), (torch.cat(recorded, dim=1) if recorded else None)
+    if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
+        t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
+        rng.set_state(rng_states[t])  # and undo their draws
+    if recorded:  # the prompts' (B, P, H) for their G rows, then the t tokens fed: (N, P + T - 1, H)
+        recorded = [recorded[0].repeat_interleave(group_size, dim=0), *recorded[1 : t + 1]]
+    return tokens[:, : t + 1], (torch.cat(recorded, dim=1) if recorded else None)
 
 
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------

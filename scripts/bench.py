@@ -3,10 +3,11 @@
     python scripts/bench.py --config tiny             # embedded tiny VLM
     python scripts/bench.py --config small --steps 2  # random Qwen2.5-VL: 12 blocks, K = 2, 224-pixel photos
     python scripts/bench.py --quick                   # 1 step of tiny: checks that every path runs
+    python scripts/bench.py --config small --device cuda  # on a GPU: synchronized timings, allocator peaks
     python scripts/bench.py --memory                  # peak memory of completion log-probs, 151k vocabulary
     python scripts/bench.py --trl-python /tmp/venv-trl/bin/python   # also TRL's GRPOTrainer + PEFT LoRA
 
-How it measures (CPU, fp32, one run, one machine):
+How it measures (fp32, one run, one machine; CPU unless --device cuda):
 - Both paths live in this one process, each with its own copy of the model and optimizer from the same
   initialisation, and take turns step by step on the same prompts, seeds and rewards, so that a load spike
   from other processes hits both alike. Each path's first step is a warm-up and is not counted.
@@ -22,7 +23,10 @@ How it measures (CPU, fp32, one run, one machine):
 - tokens/s: completion tokens (up to EOS) per second of a whole step.
 - peak memory: how far the process's resident set (VmHWM, reset before each step through
   /proc/self/clear_refs) rises above its size at the start of the step. CPU torch keeps no allocator
-  statistics; RSS sees every tensor that touches memory, plus allocator slack.
+  statistics; RSS sees every tensor that touches memory, plus allocator slack. On CUDA: the allocator's
+  peak (torch.cuda.max_memory_allocated, reset before each step) above what was allocated at its start.
+- On CUDA the host only queues kernels: each phase's clock starts and stops after torch.cuda.synchronize(),
+  so a phase is charged with its own kernels, not with the ones queued before it.
 - encodings: images through the vision tower per step (a forward hook on model.model.visual).
 - TRL (in the interpreter given by --trl-python, or this one if it has trl and peft): GRPOTrainer with a
   PEFT LoRA on the same blocks, same model, prompts, B, G, T, beta and loss; its step time is the time
@@ -99,6 +103,8 @@ class BenchArgs:
     """Ours only: rows per micro-batch."""
     gradient_checkpointing: bool = False
     """Ours only: checkpoint the adapted blocks."""
+    device: str = "cpu"
+    """cpu or cuda (both paths; TRL and --memory stay on the CPU)."""
     threads: int = 1
     """torch CPU threads, for every path and TRL alike. 1 by default: with a core busy elsewhere, OpenMP's
     second thread spin-waits and a small matmul can take 100x longer, which would swamp every ratio."""
@@ -118,8 +124,15 @@ def _status_kb(key: str) -> int:
 
 
 @contextmanager
-def peak_rss_mb(out: dict, key: str):
-    """out[key] = how far the resident set rose above its starting size inside the block, in MB."""
+def peak_rss_mb(out: dict, key: str, device: str = "cpu"):
+    """out[key] = how far the resident set (CUDA: allocated memory) rose above its start in the block, MB."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        yield
+        out[key] = (torch.cuda.max_memory_allocated() - start) / 2**20
+        return
     start = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # Linux: reset VmHWM (the peak) to the current RSS
     yield
@@ -133,11 +146,16 @@ class StepRecord:
     ms: dict[str, float] = field(default_factory=dict)
     encodings: dict[str, int] = field(default_factory=dict)
     phase: str | None = None
+    cuda: bool = False  # synchronize around each phase: time the kernels, not their queueing
 
     @contextmanager
     def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
         self.phase, start = name, time.perf_counter()
         yield
+        if self.cuda:
+            torch.cuda.synchronize()
         self.ms[name] = self.ms.get(name, 0.0) + 1000 * (time.perf_counter() - start)
         self.phase = None
 
@@ -166,13 +184,13 @@ def random_vlm(asset_config, hidden: int, layers: int) -> torch.nn.Module:
     return Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False)
 
 
-def build_model(config: Config):
+def build_model(config: Config, device: str = "cpu"):
     """(model, tokenizer, image_processor) for a config; the image processor lets image_size photos in."""
     model, tokenizer, image_processor = model_io.load_model(
-        model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
+        model_io.DEFAULT_MODEL, device=device, dtype=torch.float32
     )
     if config.model == "random":
-        model = random_vlm(model.config, config.hidden, config.layers)
+        model = random_vlm(model.config, config.hidden, config.layers).to(device)
     image_processor.size = {"shortest_edge": 56 * 56, "longest_edge": config.image_size**2}
     return model, tokenizer, image_processor
 
@@ -259,7 +277,7 @@ def run_step(
         )
         mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (N, T)
         data.decode_completions(tokenizer, ids, mask)  # the texts train.py scores; here rewards are random
-    reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed))  # stands in for scoring
+    reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed)).to(ids.device)  # scoring
     adv = grpo.group_advantages(reward, args.group_size)
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
         chunks = speedups.row_chunks(model, inputs, ids, recording, plan)
@@ -304,7 +322,7 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
 
 def bench_ours_and_plain(config: Config, bench: BenchArgs) -> dict[str, list[dict]]:
     """Per path, a list of timed steps: {'ms': {phase: ms}, 'encodings': {...}, 'tokens', 'peak_mb'}."""
-    model, tokenizer, image_processor = build_model(config)
+    model, tokenizer, image_processor = build_model(config, bench.device)
     add_lora(model, config)
     paths = {}
     for name in ("ours", "plain"):
@@ -316,13 +334,13 @@ def bench_ours_and_plain(config: Config, bench: BenchArgs) -> dict[str, list[dic
     results = {name: [] for name in paths}
     for step in range(bench.steps + 1):  # step 0 is the warm-up
         prompts = samples[step * config.B : (step + 1) * config.B]
-        batch = data.prepare_prompts(prompts, tokenizer, image_processor, device="cpu")
+        batch = data.prepare_prompts(prompts, tokenizer, image_processor, device=bench.device)
         order = list(paths) if step % 2 else list(paths)[::-1]  # alternate who goes first
         for name in order:
             path_model, optimizer, args = paths[name]
-            record, out = StepRecord(), {}
+            record, out = StepRecord(cuda=bench.device == "cuda"), {}
             hook = path_model.model.visual.register_forward_hook(record.count_encodings, with_kwargs=True)
-            with peak_rss_mb(out, "peak_mb"):
+            with peak_rss_mb(out, "peak_mb", bench.device):
                 tokens = run_step(
                     path_model, optimizer, batch, tokenizer, args, step, record, plain=name == "plain"
                 )
@@ -358,8 +376,12 @@ def print_report(
     print(
         f"config {name}: {config.model} Qwen2.5-VL, L={L} blocks, K={config.K}, r={config.r}, B={config.B}, "
         f"G={config.G} (N={config.B * config.G}), T={config.T}, photos {config.image_size}px, beta=0.04, "
-        f"mu={bench.num_iterations}; mean of {bench.steps} timed step(s) after 1 warm-up; CPU fp32, "
-        f"{torch.get_num_threads()} threads"
+        f"mu={bench.num_iterations}; mean of {bench.steps} timed step(s) after 1 warm-up; fp32, "
+        + (
+            torch.cuda.get_device_name()
+            if bench.device == "cuda"
+            else f"CPU, {torch.get_num_threads()} threads"
+        )
     )
     print(f"{'':22}{'ours':>12}{'plain':>12}{'ours/plain':>12}")
     rows = [(f"{phase} ms", ours["ms"][phase], plain["ms"][phase]) for phase in (*PHASES, "step")]
@@ -561,6 +583,9 @@ def check_args(bench: BenchArgs) -> None:
         cli.check(value >= 1, flag, f"must be >= 1, got {value}")
     micro = bench.micro_batch_size
     cli.check(micro is None or micro >= 1, "--micro-batch-size", f"must be >= 1, got {micro}")
+    cli.check(bench.device in ("cpu", "cuda"), "--device", f"must be cpu or cuda, got {bench.device!r}")
+    cuda_ok = bench.device != "cuda" or torch.cuda.is_available()
+    cli.check(cuda_ok, "--device", "cuda asked for, but torch sees no CUDA device here")
     variant = bench.memory_variant
     known = ", ".join(MEMORY_VARIANTS)
     cli.check(variant in (None, *MEMORY_VARIANTS), "--memory-variant", f"unknown {variant!r}; known: {known}")
@@ -586,7 +611,10 @@ def main(bench: BenchArgs) -> None:
         return
     bench.steps = steps
     results = bench_ours_and_plain(config, bench)
-    trl = "not run (--quick)" if bench.quick else run_trl(name, steps, bench.trl_python)
+    if bench.quick or bench.device != "cpu":
+        trl = f"not run ({'--quick' if bench.quick else 'TRL is timed on the CPU only'})"
+    else:
+        trl = run_trl(name, steps, bench.trl_python)
     print_report(name, config, bench, summarise(results["ours"]), summarise(results["plain"]), trl)
 
 

@@ -469,7 +469,7 @@ def test_project_modules_import_in_one_direction():
         "grpo": {"torch"},
         "rewards": set(),
         "grounding": set(),
-        "speedups": {"torch"},
+        "speedups": {"torch", "transformers"},  # its StaticCache: the sampler's pre-allocated KV cache
         "distributed": {"torch"},
         "tasks": {"PIL"},
         "trackers": {"torch"},  # SummaryWriter, imported inside open_tracker for --report-to tensorboard

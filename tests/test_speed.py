@@ -11,12 +11,14 @@ B != 0.
 import subprocess
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm, make_run, train_args
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
+from transformers import StaticCache
 
 import grpo
 import lora
@@ -315,6 +317,77 @@ def test_shared_prefill_runs_each_prompt_once_then_one_token_per_row_and_step():
     assert fed == [(B, P)] + [(B * G, 1)] * (T - 1)  # the last drawn token is never fed
 
 
+@pytest.mark.parametrize("every", [1, 8])  # how often the CPU reads "has every row ended?", and a GPU
+def test_rows_that_all_end_early_stop_where_generate_stops_with_its_tokens_and_rng_state(every, monkeypatch):
+    monkeypatch.setitem(speedups.FINISHED_CHECK_EVERY, "cpu", every)
+    model, G = lora_model("vlm"), 3
+    _, blocks = lora.find_decoder_blocks(model)
+    fed = []
+    blocks[0].register_forward_pre_hook(lambda _m, args: fed.append(tuple(args[0].shape[:2])))
+    only_eos = dict(SAMPLING, suppress_token_ids=[t for t in range(VOCAB) if t != 1])  # all rows end at once
+    options = dict(max_new_tokens=3 * every, temperature=1.0, **only_eos)
+    torch.manual_seed(0)
+    ids, recording = speedups.sample_shared_prefill(
+        model, inputs_for("vlm", 1), group_size=G, record_block=blocks[-K], **options
+    )
+    after_ours, fed_ours = torch.rand(4), list(fed)
+    torch.manual_seed(0)
+    reference, _ = grpo.sample_completions(model, inputs_for("vlm", G), **options)
+    assert torch.equal(ids, reference) and ids.shape == (2 * G, 1)
+    assert torch.equal(after_ours, torch.rand(4))  # the draws past the end were undone
+    B, P = inputs_for("vlm", 1)["input_ids"].shape
+    # "Has every row ended?" is read every `every` steps: every - 1 tokens were fed past the end, then undone.
+    assert fed_ours == [(B, P)] + [(B * G, 1)] * (every - 1)
+    assert recording.shape[:2] == (B * G, P)  # the trunk of the prompt alone: the one token is never fed
+
+
+def test_decode_steps_have_static_shapes_and_write_into_one_preallocated_cache():
+    model, G, T = make_random_vlm(), 3, 10
+    steps = []
+
+    def look(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:  # a decode step, not the prefill
+            cache = kwargs["cache"]
+            shapes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+            steps.append((cache, cache.layers[0].keys.data_ptr(), tuple(cache.layers[0].keys.shape), shapes))
+
+    model.register_forward_pre_hook(look, with_kwargs=True)
+    torch.manual_seed(0)
+    speedups.sample_shared_prefill(
+        model, inputs_for("vlm", 1), group_size=G, max_new_tokens=T, temperature=0.0, **SAMPLING
+    )
+    B, P = inputs_for("vlm", 1)["input_ids"].shape
+    assert len(steps) >= 2  # decode steps
+    assert all(isinstance(cache, StaticCache) for cache, *_ in steps)
+    assert len({(id(cache), pointer, keys) for cache, pointer, keys, _ in steps}) == 1  # the same buffers
+    assert steps[0][2][0] == B * G and steps[0][2][2] == P + T  # (N, heads, P + T, head_dim)
+    assert len({tuple(sorted(shapes.items())) for *_, shapes in steps}) == 1  # a CUDA graph could replay it
+    assert steps[0][3]["attention_mask"] == (B * G, P + T)
+
+
+def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casting_per_token(monkeypatch):
+    model = make_random_causal_lm().to(torch.bfloat16)  # bf16 base, fp32 adapters: a cast on every forward
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=K, lora_r=4, lora_alpha=8.0))
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    adapter = next(iter(lora.lora_modules(model).values()))
+    seen = []
+    adapter.register_forward_pre_hook(lambda m, args: seen.append(m.cast))
+    options = dict(group_size=3, max_new_tokens=8, temperature=1.0, **SAMPLING)
+    _, blocks = lora.find_decoder_blocks(model)
+    torch.manual_seed(0)
+    once = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
+    assert len(seen) > 2 and all(cast is seen[0] for cast in seen)  # one cast for every forward
+    assert seen[0][0].dtype == torch.bfloat16 and adapter.cast is None  # dropped on exit
+    with lora.weights_cast_once(model):
+        assert not torch.is_grad_enabled()  # the casts are constants: nothing inside may train A or B
+    monkeypatch.setattr(lora, "weights_cast_once", lambda model: nullcontext())
+    torch.manual_seed(0)
+    per_token = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
+    assert torch.equal(once[0], per_token[0]) and torch.equal(once[1], per_token[1])  # a cast is a cast
+
+
 @pytest.mark.parametrize("kind", ["vlm", "text"])
 def test_trunk_recorded_while_sampling_gives_the_full_forward_logprobs_and_gradients(kind):
     model, G = lora_model(kind), 3
@@ -511,3 +584,13 @@ def test_bench_quick_runs_and_prints_every_phase():
     assert out.returncode == 0, out.stderr[-2000:]
     for phase in ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer", "step", "encodings"):
         assert phase in out.stdout, phase
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here --device cuda would run")
+def test_bench_refuses_cuda_where_torch_sees_none_before_building_a_model():
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--device", "cuda"]
+    out = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (out.returncode, out.stderr) == (
+        2,
+        "error: --device: cuda asked for, but torch sees no CUDA device here\n",
+    )
