@@ -380,13 +380,13 @@ def completion_logprobs(
     return_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass."""
-    T = completion_ids.shape[1]
-    out = model(**recompute_inputs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
-    # Off-by-one: logit j predicts token j + 1, so P - 1 predicts completion token 0; the last one is dropped.
-    logits = out.logits[:, :-1]  # (N, T, V) positions P - 1 .. P + T - 2
-    return logprobs_from_logits(
-        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
-    )
+    T, head = completion_ids.shape[1], model.get_output_embeddings()  # NOTE: read as bias-free, uncapped
+    hidden = model.base_model(**recompute_inputs(inputs, completion_ids), use_cache=False).last_hidden_state
+    # Off-by-one: position j predicts token j + 1, so P - 1 predicts completion token 0; the last is dropped.
+    # The LM head in fp32: bf16 logits above 16 are spaced 0.125, noise in every log-ratio of mu > 1.
+    logits = hidden[:, -T - 1 : -1].float() @ head.weight.float().T  # (N, T, V) positions P - 1 .. P + T - 2
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    return logprobs_from_logits(logits, completion_ids, **options)
 
 
 @dataclass
