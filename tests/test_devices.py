@@ -16,18 +16,28 @@ log-probs and entropy, high-entropy selection, rollout metrics, the recompute's 
 draw, row splitting and fp32 row-by-row log-probs with their backward; distributed.batch_counts; train.py's
 advantages (GDPO's reward weights) and dynamic sampling's choice (`groups_with_signal`, one round).
 Not covered: whatever runs the model (sampling, the trunk, the recompute's forward).
+
+Then the flags that pick kernels: --attn-implementation, --deterministic and torchrun's --dist-timeout.
 """
 
 import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
+import tyro
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from transformers import AutoImageProcessor, AutoTokenizer
 
+import cli
 import data
 import distributed
 import grpo
@@ -131,7 +141,7 @@ def assert_on_other(*tensors) -> None:
         assert isinstance(t, OnOther) and t.device == OTHER, t
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def other_device():
     with on_other_device():
         yield
@@ -140,7 +150,7 @@ def other_device():
 # --- the stand-in device itself ---------------------------------------------------------------------------
 
 
-def test_the_stand_in_device_refuses_a_cpu_tensor_as_cuda_does_and_computes_on_values():
+def test_the_stand_in_device_refuses_a_cpu_tensor_as_cuda_does_and_computes_on_values(other_device):
     x = on_other([0.0, 1.0, 2.0, 3.0])
     with pytest.raises(RuntimeError, match="meets tensors on another device"):
         x + torch.tensor([1.0, 1.0, 1.0, 1.0])
@@ -157,21 +167,21 @@ def test_the_stand_in_device_refuses_a_cpu_tensor_as_cuda_does_and_computes_on_v
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("baseline", ["group", "rloo", "batch"])
-def test_group_advantages_follow_the_rewards_device(scale, baseline):
+def test_group_advantages_follow_the_rewards_device(scale, baseline, other_device):
     rewards = on_other([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])  # a zero-variance group too
     adv = grpo.group_advantages(rewards, 2, scale=scale, baseline=baseline, clip=1.5)
     assert_on_other(adv)
     assert adv.shape == (6,)
 
 
-def test_gdpo_advantages_take_reward_weights_made_on_the_cpu_to_the_components_device():
+def test_gdpo_advantages_take_reward_weights_made_on_the_cpu_to_the_components_device(other_device):
     components = on_other([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
     config = grpo.AdvantageConfig(multi_objective_aggregation="normalize_then_sum", adv_clip=2.0)
     adv = grpo.advantages(on_other([1.0, 1.0, 2.0, 1.0]), components, torch.tensor([1.0, 0.5]), 2, config)
     assert_on_other(adv, grpo.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2))
 
 
-def test_train_advantages_make_gdpo_weights_on_the_rewards_device():
+def test_train_advantages_make_gdpo_weights_on_the_rewards_device(other_device):
     args = train.Args()
     args.group_size, args.adv.multi_objective_aggregation = 2, "normalize_then_sum"
     run = types.SimpleNamespace(
@@ -192,7 +202,7 @@ def loss_inputs(N: int = 4, T: int = 5):
 
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
-def test_every_loss_its_stats_and_its_gradient_follow_the_log_probs_device(loss_type, level):
+def test_every_loss_its_stats_and_its_gradient_follow_the_log_probs_device(loss_type, level, other_device):
     logp, old_logp, ref_logp, adv, mask = loss_inputs()
     config = grpo.LossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=4.0)
     config.use_bias_correction_kl = level == "token"
@@ -208,7 +218,7 @@ def test_every_loss_its_stats_and_its_gradient_follow_the_log_probs_device(loss_
     assert_on_other(logp.grad)
 
 
-def test_mask_log_probs_entropy_and_high_entropy_selection_follow_their_inputs():
+def test_mask_log_probs_entropy_and_high_entropy_selection_follow_their_inputs(other_device):
     ids = on_other([[5, 1, 0], [5, 6, 7], [1, 1, 1]])
     mask, truncated = grpo.completion_mask(ids, [1, 2])
     assert_on_other(mask, truncated, grpo.completion_mask(ids, 1)[0])
@@ -220,7 +230,7 @@ def test_mask_log_probs_entropy_and_high_entropy_selection_follow_their_inputs()
     assert_on_other(grpo.high_entropy_mask(entropy, mask, 0.2, pool=entropy[mask]))
 
 
-def test_rollout_metrics_and_recompute_inputs_follow_their_inputs():
+def test_rollout_metrics_and_recompute_inputs_follow_their_inputs(other_device):
     rewards, mask = on_other([1.0, 0.0, 1.0, 1.0]), on_other([[True, False], [True, True]] * 2)
     metrics = grpo.rollout_metrics(
         rewards, {"a": rewards}, mask, on_other([False, True] * 2), on_other([True, False] * 2), 2
@@ -242,7 +252,7 @@ def test_rollout_metrics_and_recompute_inputs_follow_their_inputs():
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)])
-def test_the_samplers_draw_follows_the_logits_device(temperature, top_p):
+def test_the_samplers_draw_follows_the_logits_device(temperature, top_p, other_device):
     suppressed = torch.zeros(16, dtype=torch.bool, device=OTHER)
     suppressed[[3, 4]] = True
     token = speedups._draw(
@@ -252,7 +262,7 @@ def test_the_samplers_draw_follows_the_logits_device(temperature, top_p):
     assert not set(token.tolist()) & {3, 4}
 
 
-def test_fp32_row_by_row_log_probs_and_their_backward_follow_the_hidden_states_device():
+def test_fp32_row_by_row_log_probs_and_their_backward_follow_the_hidden_states_device(other_device):
     hidden = on_other(torch.randn(3, 4, 8).bfloat16()).requires_grad_()
     weight = on_other(torch.randn(32, 8).bfloat16()).requires_grad_()
     ids = on_other(torch.randint(0, 32, (3, 4)))
@@ -262,7 +272,7 @@ def test_fp32_row_by_row_log_probs_and_their_backward_follow_the_hidden_states_d
     assert logp.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16
 
 
-def test_split_rows_keeps_each_chunks_images_on_their_device():
+def test_split_rows_keeps_each_chunks_images_on_their_device(other_device):
     inputs = {
         "input_ids": on_other([[3, 5, 4, 9]] * 3),
         "attention_mask": on_other([[1, 1, 1, 1]] * 3),
@@ -277,7 +287,7 @@ def test_split_rows_keeps_each_chunks_images_on_their_device():
 # --- train.py: dynamic sampling's choice --------------------------------------------------------------------
 
 
-def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device():
+def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(other_device):
     args = train.Args(batch_size=2, group_size=2, max_sampling_rounds=1, dynamic_sampling=True)
     args.samples.train_size, args.samples.eval_size = 4, 0
     samples, _ = data.load_samples(args.samples, seed=0)
@@ -298,3 +308,86 @@ def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(
         kept.completion_ids, kept.mask, kept.truncated, kept.reward, kept.adv, *kept.inputs.values()
     )
     assert_on_other(*kept.chunks[0].inputs.values(), kept.chunks[0].completion_ids)
+
+
+# --- the kernels a run may choose: attention, deterministic algorithms, the process group's timeout ---------
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL_FLAGS = ["--device", "cpu", "--train-size", "8", "--eval-size", "0", "--batch-size", "2"]
+SMALL_FLAGS += ["--group-size", "2", "--max-new-tokens", "8", "--steps", "2"]
+
+
+def child(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_flash_attention_without_its_package_is_refused_in_one_line_and_so_is_a_zero_timeout(tmp_path):
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    train_py, out = str(ROOT / "train.py"), str(tmp_path / "run")
+    done = child(sys.executable, train_py, "--attn-implementation", "flash_attention_2", "--output-dir", out)
+    message = (
+        "flash_attention_2 needs the flash-attn package (pip install flash-attn; CUDA only); or use sdpa"
+    )
+    assert (done.returncode, done.stderr) == (2, f"error: --attn-implementation: {message}\n")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(cli.UsageError, match=r"^--dist-timeout: must be > 0 minutes, got 0.0$"):
+        train.check_args(train.Args(dist_timeout=0.0))
+
+
+def test_attn_implementation_reaches_the_model_and_sdpa_is_transformers_own_default():
+    assert train.Args().attn_implementation == "sdpa"
+    for requested, loaded in ((None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa")):
+        model, _, _ = model_io.load_model(
+            model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32, attn_implementation=requested
+        )
+        assert model.config._attn_implementation == loaded
+
+
+def test_a_deterministic_run_requests_deterministic_kernels_and_on_cpu_trains_as_any_run(tmp_path):
+    # The child runs train.py's main with --deterministic and --attn-implementation eager, then reports the
+    # switches and the attention the model was loaded with; the same run here, without --deterministic,
+    # writes the same metrics (the CPU's kernels are deterministic anyway).
+    report = (
+        "import json, os, sys, torch, tyro, cli, model_io, train\n"
+        "loaded = []\n"
+        "load = model_io.load_model\n"
+        "model_io.load_model = lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1]\n"
+        "train.main(tyro.cli(train.Args, args=sys.argv[1:]))\n"
+        "switches = [torch.are_deterministic_algorithms_enabled(), os.environ['CUBLAS_WORKSPACE_CONFIG']]\n"
+        "print(json.dumps([*switches, loaded[0][0].config._attn_implementation]))\n"
+    )
+    flags = [*SMALL_FLAGS, "--attn-implementation", "eager"]
+    done = child(sys.executable, "-c", report, *flags, "--deterministic", "--output-dir", str(tmp_path / "a"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [True, ":4096:8", "eager"]
+    train.main(tyro.cli(train.Args, args=[*flags, "--output-dir", str(tmp_path / "b")]))
+    metrics = [(tmp_path / name / "metrics.jsonl").read_bytes() for name in ("a", "b")]
+    assert metrics[0] == metrics[1]
+
+
+DIST_TIMEOUT_RANK = """
+import sys, time, torch, tyro, distributed, train
+args = tyro.cli(train.Args, args=["--dist-timeout", sys.argv[1]])
+rank, _ = distributed.init_distributed(torch.device("cpu"), timeout_minutes=args.dist_timeout)
+start = time.time()
+if rank == 1:
+    time.sleep(6)  # rank 0 waits for it at the barrier, as the other ranks wait for rank 0's evaluation
+try:
+    distributed.barrier()
+    print(f"rank {rank} passed after {time.time() - start:.1f} s", flush=True)
+except RuntimeError as e:
+    print(f"rank {rank} failed after {time.time() - start:.1f} s: {str(e)[-80:]}", flush=True)
+"""
+
+
+def test_dist_timeout_ends_a_collective_that_waits_longer_for_a_rank(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(DIST_TIMEOUT_RANK)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = child(*torchrun, str(script), "0.02", cwd=tmp_path)  # 1.2 s: less than rank 1's 6 s
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("rank 0"))
+    assert "rank 0 failed after 1." in line and "Timed out" in line, line
