@@ -32,7 +32,8 @@ Choices, where the literature differs:
 - EOS is an action (in the mask, with gradient); tokens after it are padding (exactly zero gradient).
   Truncated completions keep their tokens unless masked (DAPO's overlong filtering).
 - Tokens trained: all, or the top-entropy share (`high_entropy_mask`, "80/20"); KL and normaliser count all.
-- logp is the full temperature-scaled softmax (as TRL), though top_p and suppression truncate the sampler's.
+- logp is the full temperature-scaled softmax (as TRL), though top_p and suppression truncate the sampler's,
+  from an fp32 LM head: a bf16 model's bf16 logits above 16 are spaced 0.125, noise in every log-ratio.
 - old_logp: logp.detach() at one optimiser step per rollout; for more, a no-grad `completion_logprobs`, not
   generate's log-probs, so the first ratio is exactly 1.
 """
