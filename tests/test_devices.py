@@ -15,7 +15,9 @@ and sequence level (delta, the bias-corrected KL, a token mask, the batch totals
 log-probs and entropy, high-entropy selection, rollout metrics, the recompute's inputs; speedups' sampler
 draw, row splitting and fp32 row-by-row log-probs with their backward; distributed.batch_counts; train.py's
 advantages (GDPO's reward weights) and dynamic sampling's choice (`groups_with_signal`, one round).
-Not covered: whatever runs the model (sampling, the trunk, the recompute's forward).
+Then a whole `train.train_step` and `train.evaluate` with the shipped tiny model, its LoRA and AdamW on the
+stand-in device, on the default path and the plain one (sampling, rewards, the trunk, the recompute, the
+update, with GDPO, mu = 2, 80/20, micro-batches, dynamic sampling, checkpointing and image ablation).
 
 Then the flags that pick kernels: --attn-implementation, --deterministic and torchrun's --dist-timeout.
 """
@@ -41,6 +43,7 @@ import cli
 import data
 import distributed
 import grpo
+import lora
 import model_io
 import speedups
 import train
@@ -49,7 +52,7 @@ OTHER = torch.device("meta")
 
 
 def _is_other(x) -> bool:
-    return isinstance(x, (str, torch.device)) and torch.device(x) == OTHER
+    return isinstance(x, (str, torch.device)) and str(x) == str(OTHER)
 
 
 class OnOther(torch.Tensor):
@@ -86,13 +89,18 @@ def _wrap(x):
     return OnOther(x) if isinstance(x, torch.Tensor) and not isinstance(x, OnOther) else x
 
 
+INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
+
+
 class _Ops(TorchDispatchMode):
-    """Every op: refuse a CPU tensor (not 0-dim) meeting OnOther ones, else compute on the CPU values; the
-    results are OnOther when an input was, or when the op was told to make them on OTHER."""
+    """Every op: refuse a CPU tensor (not 0-dim, not an index, which CUDA accepts too) meeting OnOther ones,
+    else compute on the CPU values; the results are OnOther when an input was, or when the op was told to
+    make them on OTHER."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        operands = (args[:1] + args[2:], kwargs) if func in INDEXING else (args, kwargs)
+        tensors = [t for t in tree_leaves(operands) if isinstance(t, torch.Tensor)]
         other = any(isinstance(t, OnOther) for t in tensors)
         cpu = [t for t in tensors if not isinstance(t, OnOther) and t.dim() > 0]
         if other and cpu:
@@ -122,7 +130,9 @@ class _Factories(TorchFunctionMode):
         if func is torch.Tensor.to and targets:  # .to(other_tensor): its device and dtype
             return func(args[0], OTHER, targets[0].dtype)
         if func in (torch.tensor, torch.as_tensor) and _is_other(kwargs.get("device")):
-            return OnOther(func(*args, **dict(kwargs, device="cpu")))
+            return OnOther(
+                func(*tree_map(_unwrap, args), **dict(kwargs, device="cpu"))
+            )  # data: maybe OnOther
         return func(*args, **kwargs)
 
 
@@ -308,6 +318,40 @@ def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(
         kept.completion_ids, kept.mask, kept.truncated, kept.reward, kept.adv, *kept.inputs.values()
     )
     assert_on_other(*kept.chunks[0].inputs.values(), kept.chunks[0].completion_ids)
+
+
+# --- the whole step on the stand-in device: the tiny model, its LoRA and AdamW all on OTHER -------------
+
+STEP_FLAGS = ["--train-size", "8", "--eval-size", "2", "--batch-size", "2", "--group-size", "2"]
+STEP_FLAGS += ["--max-new-tokens", "4", "--steps", "1", "--seed", "1"]
+PATHS = {
+    "default path, GDPO, mu = 2, 80/20, micro-batches": [
+        *("--multi-objective-aggregation", "normalize_then_sum", "--num-iterations", "2"),
+        *("--top-entropy-quantile", "0.5", "--micro-batch-size", "2", "--eval-image-ablation", "shuffle"),
+    ],
+    "plain path, dynamic sampling, checkpointing, sapo": [
+        *("--no-shared-prefill", "--no-trunk-reuse", "--dynamic-sampling", "--max-sampling-rounds", "2"),
+        *("--gradient-checkpointing", "--loss-type", "sapo", "--adv-baseline", "rloo"),
+    ],
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_training_step_and_an_evaluation_run_wholly_on_the_stand_in_device(tmp_path, path):
+    args = tyro.cli(train.Args, args=[*STEP_FLAGS, *PATHS[path], "--output-dir", str(tmp_path)])
+    run = train.build_run(args, torch.device("cpu"), torch.float32, 0, 1)  # data, rewards, model, LoRA
+    with on_other_device():
+        run.model.to(OTHER)  # new Parameter objects: the optimizer and the speed-up plan are made for them
+        run.device, params = OTHER, lora.lora_parameters(run.model)
+        run.optimizer = torch.optim.AdamW(params, lr=args.lr)
+        run.scheduler = model_io.cosine_with_warmup(run.optimizer, warmup_steps=0, total_steps=1)
+        run.speed = speedups.choose(run.model, args.speed, last_k=args.lora.lora_last_k)
+        before = [p.detach().clone() for p in params]
+        record, _, ro = train.train_step(1, run, args, args.loss.beta)
+        evaluation = train.evaluate(run, args)
+        assert_on_other(*params, *[p.grad for p in params if p.grad is not None], ro.reward, ro.adv, ro.mask)
+        assert any(not torch.equal(a, b) for a, b in zip(params, before))  # AdamW stepped on OTHER
+    assert not record["skipped"] and set(evaluation) >= {"eval/accuracy", "eval/reward"}
 
 
 # --- the kernels a run may choose: attention, deterministic algorithms, the process group's timeout ---------
