@@ -367,7 +367,8 @@ def _row_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
 class _RowByRowLogprobs(torch.autograd.Function):
     """log softmax(lm_head(hidden) / temperature)[index], and the entropy (no grad), one row at a time both
     ways. A hand-written backward: autograd through a row loop would keep every row's fp32 logits alive;
-    this keeps the (N, T) logsumexp and recomputes a row's logits in the backward."""
+    this keeps the (N, T) logsumexp and recomputes a row's logits in the backward. NOTE: each pass holds
+    an fp32 copy of a bf16 head's weight while it runs (151,936 x 2048: 1.2 GB)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, temperature: float, entropy: bool):
@@ -376,7 +377,7 @@ class _RowByRowLogprobs(torch.autograd.Function):
             z = _row_logits(row, weight32, temperature)  # (T, V)
             lse.append(torch.logsumexp(z, dim=-1))
             picked.append(z.gather(-1, ids[:, None]).squeeze(-1))
-            if entropy:  # entr(p) = -p log p with entr(0) = 0: -inf logits give 0, not NaN
+            if entropy:  # a metric; entr(p) = -p log p, with entr(0) = 0
                 entropies.append(torch.special.entr(torch.softmax(z, dim=-1)).sum(dim=-1))
         lse = torch.stack(lse)  # (N, T)
         ctx.save_for_backward(hidden, weight, index, lse)
