@@ -7,6 +7,7 @@ hide `generate` and the reference pass's adapters-off switch. With R = 1 there i
 function returns its argument or does nothing, so the step calls them unconditionally. NCCL, or gloo on CPU.
 """
 
+import datetime
 import math
 import os
 
@@ -29,13 +30,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, R) from torchrun's environment. R = 1 creates no process group."""
+def use_deterministic_algorithms() -> None:
+    """Deterministic kernels only; an op that has none raises. Call before CUDA starts: cuBLAS reads its
+    workspace setting once. SDPA's backward then takes its deterministic path; flash-attn's reads
+    FLASH_ATTENTION_DETERMINISTIC (transformers)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("FLASH_ATTENTION_DETERMINISTIC", "1")
+    torch.use_deterministic_algorithms(True)
+
+
+def init_distributed(device: torch.device, *, timeout_minutes: float = 10.0) -> tuple[int, int]:
+    """(rank, R) from torchrun's environment. R = 1 creates no process group. A collective that waits longer
+    than `timeout_minutes` for a rank (rank 0 evaluating or saving alone) fails the run."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL communicates through the current device
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return (dist.get_rank() if world > 1 else 0), world
 
 

@@ -32,7 +32,8 @@ Choices, where the literature differs:
 - EOS is an action (in the mask, with gradient); tokens after it are padding (exactly zero gradient).
   Truncated completions keep their tokens unless masked (DAPO's overlong filtering).
 - Tokens trained: all, or the top-entropy share (`high_entropy_mask`, "80/20"); KL and normaliser count all.
-- logp is the full temperature-scaled softmax (as TRL), though top_p and suppression truncate the sampler's.
+- logp is the full temperature-scaled softmax (as TRL), though top_p and suppression truncate the sampler's,
+  from an fp32 LM head: a bf16 model's bf16 logits above 16 are spaced 0.125, noise in every log-ratio.
 - old_logp: logp.detach() at one optimiser step per rollout; for more, a no-grad `completion_logprobs`, not
   generate's log-probs, so the first ratio is exactly 1.
 """
@@ -380,13 +381,13 @@ def completion_logprobs(
     return_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass."""
-    T = completion_ids.shape[1]
-    out = model(**recompute_inputs(inputs, completion_ids), logits_to_keep=T + 1, use_cache=False)
-    # Off-by-one: logit j predicts token j + 1, so P - 1 predicts completion token 0; the last one is dropped.
-    logits = out.logits[:, :-1]  # (N, T, V) positions P - 1 .. P + T - 2
-    return logprobs_from_logits(
-        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
-    )
+    T, head = completion_ids.shape[1], model.get_output_embeddings()  # NOTE: read as bias-free, uncapped
+    hidden = model.base_model(**recompute_inputs(inputs, completion_ids), use_cache=False).last_hidden_state
+    # Off-by-one: position j predicts token j + 1, so P - 1 predicts completion token 0; the last is dropped.
+    # The LM head in fp32: bf16 logits above 16 are spaced 0.125, noise in every log-ratio of mu > 1.
+    logits = hidden[:, -T - 1 : -1].float() @ head.weight.float().T  # (N, T, V) positions P - 1 .. P + T - 2
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    return logprobs_from_logits(logits, completion_ids, **options)
 
 
 @dataclass

@@ -65,8 +65,15 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dtype):
-    """Return (model, tokenizer, image_processor or None), the model frozen and in eval mode."""
+def load_model(
+    name_or_path: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+):
+    """Return (model, tokenizer, image_processor or None), the model frozen and in eval mode.
+    `attn_implementation`: transformers' (sdpa, flash_attention_2, eager); None: its default (sdpa)."""
     # A hub id is 'org/name'; anything else that does not exist is a mistyped local path.
     is_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
     local = Path(name_or_path).expanduser()
@@ -81,7 +88,8 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
         raise ValueError(f"cannot load a model config from {name_or_path!r}: {e}") from e
     is_vlm = getattr(config, "vision_config", None) is not None
     model_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
-    model = model_class.from_pretrained(name_or_path, dtype=dtype).to(device)
+    attention = dict(attn_implementation=attn_implementation)  # None: transformers' choice
+    model = model_class.from_pretrained(name_or_path, dtype=dtype, **attention).to(device)
     model.requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
     model.eval()  # NOTE: no dropout in the base; LoRA dropout is switched by the trainer explicitly
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)

@@ -14,9 +14,9 @@ Each section re-arranges one grpo.py function:
    the way (`record_block`), and `trunk_logprobs` runs only the K adapted blocks from there.
 3. Micro-batches (the loss's backward). `split_rows` cuts the N rows, and their images, into chunks;
    `grpo.aggregate` takes the whole batch's totals, so the chunks' gradients sum to the whole one.
-4. Log-probs row by row (`logprobs_from_logits`). The reference holds (N, T, V) fp32 copies of the logits
-   (upcast, log-softmax, the entropy's softmax) for backward; `logprobs_row_by_row` upcasts one row at a
-   time both ways (`selective_log_softmax`, a hand-written backward).
+4. Log-probs row by row (`logprobs_from_logits`). The reference holds (N, T, V) fp32 logits (the LM head's
+   in fp32, log-softmax, the entropy's softmax) for backward; `logprobs_row_by_row` runs the fp32 LM head
+   one row at a time both ways (a hand-written backward): no (N, T, V) tensor is ever made.
 
 Letters as in grpo.py, and L decoder blocks, K adapted ones (first_adapted = L - K), H hidden size.
 NOTE: the trunk assumes, as holds for Qwen2 / Qwen2.5-VL, that the adapted blocks receive the same keyword
@@ -323,8 +323,9 @@ def trunk_logprobs(
     T = completion_ids.shape[1]
     # Off-by-one as in completion_logprobs: positions P - 1 .. P + T - 2, the trunk's last T, predict the T
     # completion tokens. The norm acts on each position alone, so norm-then-slice equals slice-then-norm.
-    logits = lm_head(norm(hidden_states[:, -T:]))  # (n, T, V)
-    return logprobs_row_by_row(logits, completion_ids, temperature=temperature, return_entropy=return_entropy)
+    hidden_states = norm(hidden_states[:, -T:])  # (n, T, H)
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    return logprobs_row_by_row(hidden_states, lm_head.weight, completion_ids, **options)
 
 
 # --- 3. micro-batches (the loss's backward over all N rows at once) -----------------------------------------
@@ -367,63 +368,68 @@ def split_rows(inputs: dict[str, Tensor], chunk_size: int) -> list[tuple[slice, 
     return chunks
 
 
-# --- 4. log-probs row by row (grpo.logprobs_from_logits) ---------------------------------------------------
+# --- 4. log-probs row by row, the LM head in fp32 (grpo.logprobs_from_logits) ----------------------------
 
 
-def _upcast(logits: Tensor, temperature: float) -> Tensor:
-    """logits / temperature in at least fp32 (a bf16 logsumexp of ~10-20 is off by up to ~0.06, a 6% error in
-    the ratio); no copy when there is nothing to do (fp32 logits, temperature 1)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+def _fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64; no copy of an fp32 tensor
+
+
+def _row_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+    """(T, V) = the LM head on one row's hidden states (T, H), in fp32, over the temperature."""
+    logits = _fp32(hidden) @ weight.T  # weight already fp32: bf16 logits above 16 are spaced 0.125
     return logits if temperature == 1 else logits / temperature
 
 
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log softmax(logits / temperature)[index], one row at a time both ways. A hand-written backward, since
-    autograd through a row loop would keep every row's fp32 upcast alive; this saves an (N, T) logsumexp."""
+class _RowByRowLogprobs(torch.autograd.Function):
+    """log softmax(lm_head(hidden) / temperature)[index], and the entropy (no grad), one row at a time both
+    ways. A hand-written backward: autograd through a row loop would keep every row's fp32 logits alive;
+    this keeps the (N, T) logsumexp and recomputes a row's logits in the backward. NOTE: each pass holds
+    an fp32 copy of a bf16 head's weight while it runs (151,936 x 2048: 1.2 GB)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, index: Tensor, temperature: float) -> Tensor:
-        lse = torch.stack([torch.logsumexp(_upcast(row, temperature), dim=-1) for row in logits])  # (N, T)
-        picked = _upcast(logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), temperature)  # (N, T)
-        ctx.save_for_backward(logits, index, lse)
+    def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, temperature: float, entropy: bool):
+        weight32, lse, picked, entropies = _fp32(weight), [], [], []  # weight32: (V, H), freed on return
+        for row, ids in zip(hidden, index):
+            z = _row_logits(row, weight32, temperature)  # (T, V)
+            lse.append(torch.logsumexp(z, dim=-1))
+            picked.append(z.gather(-1, ids[:, None]).squeeze(-1))
+            if entropy:  # a metric; entr(p) = -p log p, with entr(0) = 0
+                entropies.append(torch.special.entr(torch.softmax(z, dim=-1)).sum(dim=-1))
+        lse = torch.stack(lse)  # (N, T)
+        ctx.save_for_backward(hidden, weight, index, lse)
         ctx.temperature = temperature
-        return picked - lse
+        entropy = torch.stack(entropies) if entropy else lse.new_empty(0)  # (N, T) or nothing
+        ctx.mark_non_differentiable(entropy)
+        return torch.stack(picked) - lse, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        logits, index, lse = ctx.saved_tensors
-        scale = grad / ctx.temperature  # (N, T) the chain rule through logits / temperature
-        grad_logits = torch.empty_like(logits)  # (N, T, V) the only full-size allocation, as for any backward
-        for i in range(logits.shape[0]):
-            # d logp / d z = onehot(index) - softmax(z) for z = logits / temperature, times the incoming grad.
-            z = _upcast(logits[i], ctx.temperature)  # (T, V); may be logits[i] itself: no in-place op on it
-            row = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
-            grad_logits[i] = row.scatter_add_(-1, index[i, :, None], scale[i, :, None])  # + scale at index
-        return grad_logits, None, None
-
-
-def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0) -> Tensor:
-    """log_softmax(logits / temperature, -1).gather(-1, index) for logits (N, T, V), index (N, T) -> (N, T),
-    in fp32, holding one row's (T, V) temporaries at a time, never an (N, T, V) log-softmax or upcast copy."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    return _SelectiveLogSoftmax.apply(logits, index, float(temperature))
+    def backward(ctx, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+        hidden, weight, index, lse = ctx.saved_tensors
+        weight32, scale = _fp32(weight), grad / ctx.temperature  # (N, T) chain rule through z / temperature
+        grad_hidden = torch.empty_like(hidden)  # (N, T, H): no (N, T, V) tensor, forward or backward
+        grad_weight = torch.zeros_like(weight32) if ctx.needs_input_grad[1] else None  # a trainable head
+        for i in range(hidden.shape[0]):
+            # d logp / d z = onehot(index) - softmax(z), times the incoming gradient; then through the head.
+            z = _row_logits(hidden[i], weight32, ctx.temperature)  # (T, V)
+            dz = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
+            dz.scatter_add_(-1, index[i, :, None], scale[i, :, None])  # + scale at index
+            grad_hidden[i] = dz @ weight32  # (T, H)
+            if grad_weight is not None:
+                grad_weight += dz.T @ _fp32(hidden[i])  # (V, H)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def logprobs_row_by_row(
-    logits: Tensor, completion_ids: Tensor, *, temperature: float, return_entropy: bool
+    hidden: Tensor, weight: Tensor, completion_ids: Tensor, *, temperature: float, return_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """`grpo.logprobs_from_logits`, one row's fp32 copy at a time: logp [and entropy] (N, T) from shifted
-    logits (N, T, V); temperature 0 counts as 1."""
-    temperature = temperature if temperature > 0 else 1.0
-    logp = selective_log_softmax(logits, completion_ids, temperature)  # (N, T)
-    if not return_entropy:
-        return logp, None
-    with torch.no_grad():  # the entropy is a metric
-        # entr(p) = -p log p with entr(0) = 0, so -inf logits (probability 0) give 0, not 0 * -inf = NaN.
-        entropy = [torch.special.entr(torch.softmax(_upcast(row, temperature), -1)).sum(-1) for row in logits]
-    return logp, torch.stack(entropy)  # (N, T)
+    """`grpo.logprobs_from_logits` of the LM head's logits (`weight` (V, H) on hidden states (N, T, H)), one
+    row's fp32 logits at a time: logp [and entropy] (N, T), fp32; temperature 0 counts as 1."""
+    temperature = float(temperature) if temperature > 0 else 1.0
+    logp, entropy = _RowByRowLogprobs.apply(hidden, weight, completion_ids, temperature, return_entropy)
+    return logp, entropy if return_entropy else None
 
 
 # --- the choice, made once per run, and the three calls the step makes through it ---------------------------
@@ -471,7 +477,10 @@ def decoder_parts(model: nn.Module, last_k: int) -> dict[str, Any]:
     if first_adapted < len(getattr(vision_config, "deepstack_visual_indexes", None) or []):
         raise ValueError("LoRA reaches the blocks that receive deepstack features; use --no-trunk-reuse")
     norm = model.get_submodule(path.rpartition(".")[0]).norm  # applied to the last block's output
-    return dict(blocks=blocks, first_adapted=first_adapted, norm=norm, lm_head=model.get_output_embeddings())
+    lm_head = model.get_output_embeddings()
+    if getattr(lm_head, "bias", None) is not None:  # logprobs_row_by_row applies its weight alone
+        raise ValueError("the LM head has a bias; use --no-trunk-reuse")
+    return dict(blocks=blocks, first_adapted=first_adapted, norm=norm, lm_head=lm_head)
 
 
 def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:

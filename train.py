@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -70,6 +71,15 @@ class Args:
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     dtype: str = "auto"
     """'auto' (bf16 on CUDA, fp32 on CPU), 'float32', 'bfloat16' or 'float16'."""
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = "sdpa"
+    """Attention kernel: sdpa (PyTorch's fused attention, transformers' default), flash_attention_2 (the
+    flash-attn package; CUDA, bf16) or eager (plain matmuls)."""
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8):
+    on CUDA a resumed run then repeats an uninterrupted one bit for bit, slower; CPU runs always do."""
+    dist_timeout: float = 30.0
+    """torchrun: minutes a rank waits for the others at a collective (rank 0's evaluation, its checkpoint)
+    before the run fails (NCCL's own default: 10)."""
     batch_size: int = 16
     """B: prompts per step (per rank under torchrun: the global batch is B*R prompts)."""
     group_size: int = 8
@@ -442,6 +452,10 @@ def check_args(args: Args) -> None:
     cli.check(not gated_sum, "--gate", "has no meaning with normalize_then_sum (no total)")
     required = "is required with --data (e.g. --reward label format)"
     cli.check(bool(a.rewards.reward or not a.samples.data), "--reward", required)
+    cli.check(a.dist_timeout > 0, "--dist-timeout", f"must be > 0 minutes, got {a.dist_timeout}")
+    flash = a.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None
+    needs = "flash_attention_2 needs the flash-attn package (pip install flash-attn; CUDA only); or use sdpa"
+    cli.check(flash, "--attn-implementation", needs)
 
 
 def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
@@ -476,7 +490,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     rewards.check_needs(train_samples + held_out, reward_fns, locate=data.location)
     accuracy_name, names = args.rewards.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
-    model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+    options = dict(device=device, dtype=dtype, attn_implementation=args.attn_implementation)
+    model, tokenizer, image_processor = model_io.load_model(args.model, **options)
     config = args.samples
     data.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
@@ -833,10 +848,13 @@ def main(args: Args) -> dict:
     current step (at once while a reward function runs) and a checkpoint."""
     with cli.signals(abortable=(rewards.score,)) as stop, contextlib.ExitStack() as held:  # see cli.Signals
         check_args(args)
+        if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
+            distributed.use_deterministic_algorithms()
         with cli.user_errors():
             device = distributed.resolve_device(args.device)
             out = model_io.run_folder(args.output_dir, args.resume)
-        rank, world = distributed.init_distributed(device)  # (0, 1) without torchrun
+        timeout = dict(timeout_minutes=args.dist_timeout)
+        rank, world = distributed.init_distributed(device, **timeout)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates
         held.enter_context(run_folder_lock(out, hold=writer and not args.dry_run))  # --dry-run writes nothing
         with cli.user_errors():

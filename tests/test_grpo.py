@@ -86,123 +86,85 @@ def random_mask(N, T, seed=0):
     return torch.arange(T)[None] < lengths[:, None]
 
 
-# --- speedups.selective_log_softmax: the row-by-row log-probs against log_softmax + gather ------------------
+# --- speedups.logprobs_row_by_row: the fp32 LM head and log-softmax row by row, against the plain ops ------
 
 
-def test_selective_log_softmax_matches_log_softmax_gather_fp32():
-    torch.manual_seed(0)
-    logits = (5 * torch.randn(3, 4, 50)).requires_grad_()
-    index = torch.randint(0, 50, (3, 4))
-    upstream = torch.randn(3, 4)
-    ours = speedups.selective_log_softmax(logits, index)
-    (ours * upstream).sum().backward()
-    grad_ours, logits.grad = logits.grad, None
-    ref = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
-    (ref * upstream).sum().backward()
-    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
-    torch.testing.assert_close(grad_ours, logits.grad, atol=1e-6, rtol=0)
+def head_inputs(dtype: torch.dtype, N: int = 3, T: int = 4, H: int = 16, V: int = 1000):
+    """Hidden states (N, T, H), an LM head weight (V, H) giving logits of std ~5, and token ids (N, T)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, T, H, generator=gen).to(dtype)
+    weight = (1.25 * torch.randn(V, H, generator=gen)).to(dtype)
+    return hidden, weight, torch.randint(0, V, (N, T), generator=gen)
 
 
-def test_selective_log_softmax_bf16_is_fp32_accurate_on_the_rounded_logits():
-    torch.manual_seed(0)
-    logits32 = 5 * torch.randn(3, 4, 1000)
-    logits = logits32.bfloat16().requires_grad_()
-    index = torch.randint(0, 1000, (3, 4))
-    ours = speedups.selective_log_softmax(logits, index)
-    assert ours.dtype == torch.float32
-    # Tight against an fp32 log-softmax of the same (rounded) logits, loose against the unrounded ones.
-    ref = torch.log_softmax(logits.float(), -1).gather(-1, index[..., None]).squeeze(-1)
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(
-        ours, torch.log_softmax(logits32, -1).gather(-1, index[..., None]).squeeze(-1), atol=0.1, rtol=0
-    )
-    upstream = torch.randn(3, 4)
-    (ours * upstream).sum().backward()
-    logits_ref = logits.detach().float().requires_grad_()
-    ref = torch.log_softmax(logits_ref, -1).gather(-1, index[..., None]).squeeze(-1)
-    (ref * upstream).sum().backward()
-    assert logits.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(logits.grad.float(), logits_ref.grad, atol=1e-2, rtol=1e-2)  # bf16 rounding
+def reference_logprobs(hidden, weight, index, temperature=1.0):
+    """log_softmax + gather of the fp32 head's logits (upcast first, then divided), and the entropy."""
+    logits = hidden.float() @ weight.float().T / temperature  # (N, T, V)
+    logp = torch.log_softmax(logits, -1).gather(-1, index[..., None]).squeeze(-1)
+    return logp, torch.special.entr(torch.softmax(logits, -1)).sum(-1)
 
 
-def test_selective_log_softmax_gradcheck_fp64_and_minus_inf_logits():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(speedups.selective_log_softmax, (logits, index))
-    # -inf at a non-chosen token (probability 0) must give finite values and finite gradients.
-    masked = logits.detach().clone()
-    masked[..., 0] = -math.inf
-    masked.requires_grad_()
-    index = torch.randint(1, 7, (2, 3))
-    out = speedups.selective_log_softmax(masked, index)
-    out.sum().backward()
-    ref = torch.log_softmax(masked.detach(), -1).gather(-1, index[..., None]).squeeze(-1)
-    torch.testing.assert_close(out, ref)
-    assert torch.isfinite(masked.grad).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_selective_log_softmax_divides_by_the_temperature_in_fp32(dtype):
-    torch.manual_seed(0)
-    logits = (5 * torch.randn(3, 4, 1000)).to(dtype).requires_grad_()
-    index = torch.randint(0, 1000, (3, 4))
-    upstream = torch.randn(3, 4)
-    ours = speedups.selective_log_softmax(logits, index, 0.7)
-    (ours * upstream).sum().backward()
-    # Reference: the same (rounded) logits, upcast first, then divided: no bf16 rounding of logits / 0.7.
-    logits_ref = logits.detach().float().requires_grad_()
-    ref = torch.log_softmax(logits_ref / 0.7, -1).gather(-1, index[..., None]).squeeze(-1)
-    (ref * upstream).sum().backward()
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient itself is stored in bf16
-    torch.testing.assert_close(logits.grad.float(), logits_ref.grad, atol=tolerance, rtol=tolerance)
-    if dtype == torch.bfloat16:  # dividing in bf16 first (the old way) is measurably worse
-        divided_in_bf16 = torch.log_softmax((logits.detach() / 0.7).float(), -1).gather(-1, index[..., None])
-        assert (divided_in_bf16.squeeze(-1) - ref).abs().max() > 10 * (ours - ref).abs().max()
-
-
-def test_selective_log_softmax_with_temperature_gradcheck_fp64():
-    torch.manual_seed(0)
-    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
-    index = torch.randint(0, 7, (2, 3))
-    assert torch.autograd.gradcheck(lambda x: speedups.selective_log_softmax(x, index, 0.6), (logits,))
-
-
-def test_selective_log_softmax_saves_no_full_size_copy_for_backward():
-    logits = torch.randn(8, 16, 512).bfloat16().requires_grad_()
-    index = torch.randint(0, 512, (8, 16))
-    saved_bytes = []
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
-            saved_bytes.append(t.numel() * t.element_size())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        speedups.selective_log_softmax(logits, index)
-    logits_bytes = logits.numel() * logits.element_size()
-    assert sum(saved_bytes) <= 0.25 * logits_bytes  # only the (N, T) logsumexp and the index
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_by_row_logprobs_entropy_and_gradient_equal_the_reference(dtype):
-    torch.manual_seed(0)
-    logits = (5 * torch.randn(3, 4, 1000)).to(dtype)
-    index = torch.randint(0, 1000, (3, 4))
-    upstream = torch.randn(3, 4)
+def row_by_row_and_reference(dtype: torch.dtype, temperature: float):
+    """(logp, entropy, grad of hidden, grad of weight) of speedups.logprobs_row_by_row, then of the reference,
+    the reference's leaves in fp32 holding the same (rounded) values."""
+    hidden, weight, index = head_inputs(dtype)
+    upstream = torch.randn(index.shape, generator=torch.Generator().manual_seed(1))
     results = []
-    for logprobs in (grpo.logprobs_from_logits, speedups.logprobs_row_by_row):
-        leaf = logits.clone().requires_grad_()
-        logp, entropy = logprobs(leaf, index, temperature=0.7, return_entropy=True)
+    for fn, cast in ((speedups.logprobs_row_by_row, dtype), (None, torch.float32)):
+        h, w = (x.to(cast).detach().requires_grad_() for x in (hidden, weight))
+        if fn is None:
+            logp, entropy = reference_logprobs(h, w, index, temperature)
+        else:
+            logp, entropy = fn(h, w, index, temperature=temperature, return_entropy=True)
         (logp * upstream).sum().backward()
-        results.append((logp, entropy, leaf.grad))
-    (ref, ref_entropy, ref_grad), (ours, entropy, grad) = results
-    assert ref.dtype == ours.dtype == entropy.dtype == torch.float32
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+        results.append((logp, entropy, h.grad, w.grad))
+    return results
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_by_row_logprobs_entropy_and_gradients_equal_the_fp32_reference(temperature):
+    (logp, entropy, grad_h, grad_w), ref = row_by_row_and_reference(torch.float32, temperature)
+    for ours, theirs in zip((logp, entropy, grad_h, grad_w), ref):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_by_row_logprobs_of_a_bf16_head_are_those_of_its_values_in_fp32(temperature):
+    (logp, entropy, grad_h, grad_w), (ref, ref_entropy, ref_grad_h, ref_grad_w) = row_by_row_and_reference(
+        torch.bfloat16, temperature
+    )
+    assert logp.dtype == entropy.dtype == torch.float32
+    assert grad_h.dtype == grad_w.dtype == torch.bfloat16  # gradients in their leaves' dtype
+    torch.testing.assert_close(logp, ref, atol=1e-5, rtol=0)  # no bf16 rounding of the logits
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # the gradient itself is stored in bf16
-    torch.testing.assert_close(grad.float(), ref_grad.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(grad_h.float(), ref_grad_h, atol=1e-2, rtol=1e-2)  # stored in bf16
+    torch.testing.assert_close(grad_w.float(), ref_grad_w, atol=1e-2, rtol=1e-2)
+    hidden, weight, index = head_inputs(torch.bfloat16)
+    bf16_logits = (hidden @ weight.T).float() / temperature  # the head in bf16 (the old way): far worse
+    rounded = torch.log_softmax(bf16_logits, -1).gather(-1, index[..., None]).squeeze(-1)
+    assert (rounded - ref).abs().max() > 100 * (logp - ref).abs().max()
+
+
+def test_row_by_row_logprobs_gradcheck_fp64_hidden_and_weight():
+    hidden, weight, index = head_inputs(torch.float64, N=2, T=3, H=4, V=7)
+    hidden.requires_grad_(), weight.requires_grad_()
+
+    def logp(h, w):
+        return speedups.logprobs_row_by_row(h, w, index, temperature=0.6, return_entropy=False)[0]
+
+    assert torch.autograd.gradcheck(logp, (hidden, weight))
+
+
+def test_row_by_row_logprobs_save_no_logits_and_no_fp32_copy_of_the_head():
+    hidden, weight, index = head_inputs(torch.bfloat16, N=8, T=16, H=32, V=512)
+    hidden.requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        speedups.logprobs_row_by_row(hidden, weight, index, temperature=1.0, return_entropy=True)
+    # What backward keeps: the inputs themselves, the token ids and the (N, T) logsumexp.
+    inputs = {hidden.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
+    others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert sorted(tuple(t.shape) for t in others) == [(8, 16), (8, 16)]
 
 
 # --- completion_mask ----------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""LoRA in a bf16 model (issue #12): fp32 adapter weights and AdamW state, a bf16 forward, frozen base.
+"""Training a bf16 model: LoRA (issue #12) and the log-probs' LM head in fp32 (issue #22, the last test).
+
+LoRA: fp32 adapter weights and AdamW state, a bf16 forward, frozen base.
 
 On CUDA the trainer loads the base model in bf16. AdamW's first steps move every entry by about `lr`
 (2e-5 on real models), while bf16 keeps 8 significant bits: an A entry of 0.1 has a spacing of 2**-11
@@ -23,8 +25,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+import grpo
 import lora
 import model_io
+import speedups
 
 LR, STEPS = 2e-5, 5
 IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID = 5, 3, 4  # assets/tiny-qwen2.5-vl/config.json
@@ -252,3 +256,44 @@ def test_peft_reads_the_fp32_adapter_of_a_bf16_model_with_logits_equal_up_to_bf1
     # NOTE: PEFT upcasts the input and rounds the branch once, ours rounds it in bf16: the logits differ by
     # bf16 rounding (measured: one bf16 spacing of the largest logit, 2**-5 at 7.3), not by the adapter.
     assert (ours - theirs).abs().max() <= 2 * 2**-8 * ours.abs().max()
+
+
+# --- the completion log-probs: the LM head in fp32 --------------------------------------------------------
+
+
+def test_mu2_log_ratio_of_a_bf16_model_is_free_of_the_heads_bf16_rounding():
+    # The shipped tiny VLM in bf16, its LM head scaled x4 so that the sampled tokens' logits reach 16-32 as a
+    # real model's do (bf16 spacing 0.125 there), 8 rows of 54 completion tokens. Between the two iterations
+    # of mu = 2 the adapters move by a small step; log(pi / pi_old) is measured per token and set against the
+    # exact one (an fp64 head on the same bf16 hidden states). Measured here: a bf16 head (the logits rounded
+    # before the upcast) is off by up to 0.125 per token (mean 0.014; 0.007 on a sequence mean, GSPO's ratio,
+    # against its 3e-4 clip); the fp32 head of either path by 5.4e-6 (mean 8e-7; 2.3e-7 on a sequence mean).
+    model = tiny_with_lora(torch.bfloat16, lora_fp32=True)
+    batch, P = image_batch(rows=8, text=64), 10
+    rows = ("input_ids", "attention_mask", "mm_token_type_ids")
+    prompt = {k: v[:, :P] if k in rows else v for k, v in batch.items()}  # the first P tokens are the prompt
+    ids = batch["input_ids"][:, P:]  # (8, 60): the completions
+    head = model.get_output_embeddings()
+    logp = {"exact": [], "bf16 head": [], "plain": [], "row by row": []}
+    with torch.no_grad():
+        head.weight.mul_(4)
+        for iteration in range(2):
+            hidden = model.base_model(**grpo.recompute_inputs(prompt, ids)).last_hidden_state[:, P - 1 : -1]
+            logits = hidden.double() @ head.weight.double().T  # (8, 60, V)
+            logp["exact"].append(torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1))
+            logits_bf16 = head(hidden)  # what a bf16 model's forward returns
+            assert logits.gather(-1, ids[..., None]).median() > 16
+            options = dict(temperature=1.0, return_entropy=False)
+            logp["bf16 head"].append(grpo.logprobs_from_logits(logits_bf16, ids, **options)[0])
+            logp["plain"].append(grpo.completion_logprobs(model, prompt, ids, temperature=1.0)[0])
+            logp["row by row"].append(speedups.logprobs_row_by_row(hidden, head.weight, ids, **options)[0])
+            gen = torch.Generator().manual_seed(3)
+            for p in lora.lora_parameters(model):  # the policy moves a little between the iterations
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-4)
+    log_ratio = {name: (new.double() - old.double()) for name, (old, new) in logp.items()}
+    assert log_ratio["exact"].abs().mean() > 1e-3  # the step is real: measured 3e-3 per token
+    noise = {name: (value - log_ratio["exact"]).abs() for name, value in log_ratio.items()}
+    assert noise["bf16 head"].max() > 0.1  # measured 0.125
+    for name in ("plain", "row by row"):
+        assert noise[name].max() < 1e-4  # measured 5.4e-6 and 5.7e-6
+        assert (log_ratio[name] - log_ratio["exact"]).mean(dim=1).abs().max() < 1e-5  # GSPO's: 2.3e-7

@@ -268,7 +268,8 @@ def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forwar
         return real_logprobs(model_, inputs, completion_ids, **kwargs)
 
     monkeypatch.setattr(grpo, "completion_logprobs", spy)
-    hook = model.register_forward_pre_hook(lambda _m, _a, kw: seen_forward.append(dict(kw)), with_kwargs=True)
+    body = model.base_model  # the recompute runs the model's body, then the LM head in fp32
+    hook = body.register_forward_pre_hook(lambda _m, _a, kw: seen_forward.append(dict(kw)), with_kwargs=True)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
     run.optimizer, run.scheduler = optimizer, scheduler
