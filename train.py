@@ -334,7 +334,7 @@ def policy_update(run: Run, ro: Rollout, args: Args, beta: float) -> dict[str, f
     stats.update(loss=loss, grad_norm=grad_norm.item(), lr=run.scheduler.get_last_lr()[0], skipped=skipped)
     entropy_sum, num_tokens = (entropy * ro.mask).sum().item(), ro.mask.sum().item()
     entropy_sum, num_tokens = distributed.sum_across_ranks([entropy_sum, num_tokens])
-    stats["entropy"] = entropy_sum / num_tokens
+    stats["entropy"] = entropy_sum / max(num_tokens, 1)  # NOTE: --mask-truncated may leave no token
     return stats
 
 

@@ -227,3 +227,13 @@ def test_box_frame_auto_reads_the_model_family_and_goes_only_to_rewards_that_rea
     assert grounding.resolve_frame("relative1000", "qwen2_5_vl", vision, ["iou"]) == "relative1000"
     with pytest.raises(ValueError, match="--box-frame"):
         grounding.resolve_frame("auto", "llava", vision, ["iou"])
+
+
+def test_a_step_whose_every_completion_is_truncated_and_masked_logs_zero_entropy_not_a_crash(tmp_path):
+    """--mask-truncated with completions too short to end: no token carries gradient, and the step's
+    token means (entropy) are 0 over 0 tokens, not a division by zero."""
+    flags = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=2, eval_size=0, train_size=8)
+    args = train_args(output_dir=str(tmp_path / "run"), mask_truncated=True, **flags)
+    train.main(args)
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["frac_truncated"] == 1.0 and record["entropy"] == 0.0
