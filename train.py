@@ -422,7 +422,7 @@ def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
     each settings group checks its own, then the trainer's flags and the rules that span groups."""
     with cli.user_errors():
-        for group in (args.samples, args.sampling, args.adv, args.loss, args.lora, args.speed):
+        for group in (args.samples, args.sampling, args.rewards, args.adv, args.loss, args.lora, args.speed):
             group.check()
     a = args
     ranges = [
@@ -474,7 +474,6 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
     builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     config = args.rewards
-    config.check()
     names, timeout = config.reward or tasks.TASK_REWARDS[task], config.reward_timeout
     return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins, timeout)
 
