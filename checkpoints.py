@@ -1,9 +1,9 @@
 """A run folder and its checkpoints: one writer per folder, the run.json marker, checkpoints that prove they
 are whole, and what a resume loads.
 
-A run folder holds one run: `run.json` (a run id and the run's settings) is what makes a folder a run
-folder; metrics.jsonl, timings.jsonl and rollouts.jsonl are appended step by step; each checkpoint-NNNNNN/
-holds the adapter (written by the caller, e.g. model_io.save_adapter) and the trainer state.
+A run folder holds run.json (the run's id and settings), metrics.jsonl, timings.jsonl and rollouts.jsonl
+(appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by the caller's function, e.g.
+model_io.save_adapter, and the trainer state), and at the end adapter/ and curves.png.
 
 Choices:
 - One writer per folder: the process that trains holds the folder's lock (cli.hold_lock) from before it looks
