@@ -7,7 +7,7 @@ prompt g's group.
 
 Choices:
 - The JSONL files are the record of a run, appended one fsynced line at a time: a crash leaves at most one
-  torn last line, and on --resume model_io.trim_jsonl cuts them back to the checkpoint's step.
+  torn last line, and on --resume checkpoints.trim_jsonl cuts them back to the checkpoint's step.
 - Rollout records keep floats at full precision (Python's float repr round-trips), so rollouts.jsonl's
   advantages can be recomputed from its rewards exactly; the text, not the digits, dominates the size.
 - The curves are drawn on a matplotlib Figure of its own, never through pyplot (no global state, no display).

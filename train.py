@@ -17,7 +17,8 @@ One step: sample G completions of each of B prompts (no grad) -> rewards -> grou
 reference log-probs (no grad; the reference is the model with its adapters off) -> the completion log-probs
 WITH gradient (same images, masks, temperature) -> PPO-clip + KL loss -> optimizer step on LoRA only -> log.
 Under torchrun every rank runs the same text: the collectives of distributed.py return their argument in one
-process. This file holds `Args`, the step, then set-up, resume, checkpoints, evaluation and `main`, last.
+process. This file holds `Args`, the step, then set-up, saving and resuming (the run folder and its
+checkpoints: checkpoints.py), evaluation and `main`, last.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -44,6 +44,7 @@ if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 13
 import torch
 import tyro
 
+import checkpoints
 import cli
 import data
 import distributed
@@ -538,31 +539,17 @@ def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
     )
 
 
-# --- Resume and checkpoints ---------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def writing(out: Path, path: Path | None = None):
-    """Inside, an OSError becomes cli.WriteFailed naming the file (`path` if the error names none); the
-    message adds which checkpoint of the run folder `out` is intact and how to go on."""
-    try:
-        with cli.writing(path or out):
-            yield
-    except cli.WriteFailed as e:
-        kept = model_io.list_checkpoints(out)
-        then = f"the newest checkpoint, {kept[-1].name}, is intact" if kept else "no checkpoint yet"
-        then += f"; once the cause is gone: python train.py --resume {out}"
-        raise cli.WriteFailed(f"{e}; {then}") from e.__cause__
+# --- Resume and checkpoints (checkpoints.py) ---------------------------------------------------------------
 
 
 def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: Args) -> None:
-    """A checkpoint folder (model_io.save_checkpoint): the adapter, and the state --resume reads back."""
+    """A checkpoint folder (checkpoints.save_checkpoint): the adapter, and the state --resume reads back."""
     optimizer, scheduler = run.optimizer.state_dict(), run.scheduler.state_dict()
     settings = dataclasses.asdict(args)
     state = dict(step=step, beta=beta, run_id=run_id, optimizer=optimizer, scheduler=scheduler, args=settings)
     adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
-    with writing(directory.parent, directory):
-        model_io.save_checkpoint(
+    with checkpoints.writing(directory.parent, directory):
+        checkpoints.save_checkpoint(
             directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
         )
 
@@ -572,13 +559,13 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     (step, beta, run id). Damaged checkpoints passed over are reported; a checkpoint of another run than the
     folder's run.json is refused."""
     with cli.user_errors("--resume: "):
-        checkpoint, state, run_id, report = model_io.checkpoint_to_resume(path, out)
+        checkpoint, state, run_id, report = checkpoints.checkpoint_to_resume(path, out)
     print_if(run.rank == 0 and report is not None, f"warning: {report}")
     with cli.user_errors(f"--resume {checkpoint}: "):
         model_io.load_adapter(run.model, checkpoint)
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
-    model_io.set_rng_state(state["rng"])
+    checkpoints.set_rng_state(state["rng"])
     return state["step"], state["beta"], run_id
 
 
@@ -592,28 +579,6 @@ RESUME_MAY_CHANGE = {
 }
 
 
-def flat_settings(settings: dict) -> dict:
-    """Args as a dict (dataclasses.asdict, run.json's "args") -> {field: value}, groups flattened like the
-    flags; values as JSON gives them back (tuples as lists)."""
-    flat = {}
-    for key, value in settings.items():
-        flat.update(flat_settings(value) if isinstance(value, dict) else {key: json.loads(json.dumps(value))})
-    return flat
-
-
-def args_from_record(settings: dict, cls: type = Args):
-    """Args (or one settings group) from run.json's "args": JSON lists back to tuples; what it lacks keeps
-    the default."""
-    values = {}
-    for field in dataclasses.fields(cls):
-        value = settings.get(field.name, dataclasses.MISSING)
-        if dataclasses.is_dataclass(field.default_factory) and isinstance(value, dict):
-            values[field.name] = args_from_record(value, field.default_factory)
-        elif value is not dataclasses.MISSING:
-            values[field.name] = tuple(value) if isinstance(value, list) else value
-    return cls(**values)
-
-
 def command_line(argv: list[str]) -> Args:
     """The flags. With --resume DIR the run's recorded settings are the defaults, so that only what is typed
     can differ from them (and `main` refuses what may not)."""
@@ -622,39 +587,9 @@ def command_line(argv: list[str]) -> Args:
     if not resume:
         return tyro.cli(Args, args=argv)
     with cli.user_errors():
-        record = model_io.read_run_record(model_io.run_folder(None, resume)) or {}
-    recorded = args_from_record(record.get("args") or {})
+        record = checkpoints.read_run_record(checkpoints.run_folder(None, resume)) or {}
+    recorded = checkpoints.settings_from_record(record.get("args") or {}, Args)
     return tyro.cli(Args, args=argv, default=dataclasses.replace(recorded, output_dir=None, overwrite=False))
-
-
-def resumed_settings(args: Args, out: Path) -> dict:
-    """--resume: refuse (cli.UsageError) every flag that differs from run.json's record but those in
-    RESUME_MAY_CHANGE; returns run.json's new "args": the record with the changes that may be made."""
-    with cli.user_errors():
-        record = model_io.read_run_record(out) or {}
-    recorded, given = flat_settings(record.get("args") or {}), flat_settings(dataclasses.asdict(args))
-    changed = [
-        k for k, v in given.items() if k in recorded and recorded[k] != v and k not in RESUME_MAY_CHANGE
-    ]
-    differ = [
-        f"--{k.replace('_', '-')} recorded {json.dumps(recorded[k])}, given {json.dumps(given[k])}"
-        for k in changed
-    ]
-    cli.check(not differ, f"--resume {out}", f"these flags differ from the recorded run: {'; '.join(differ)}")
-    if lacking := [k for k in given if k not in recorded]:  # a run.json of an older version
-        named = ", ".join(f"--{k.replace('_', '-')}" for k in lacking) if recorded else "settings"
-        print(f"{out}/run.json records no {named}: the flags given (or their defaults) are used")
-    where = {
-        k: v for k, v in (record.get("args") or {}).items() if k in ("output_dir", "resume", "overwrite")
-    }
-    return {**dataclasses.asdict(args), **where}  # run.json keeps where the run was first started
-
-
-def checkpoint_step(resume: str, out: Path) -> int:
-    """The step of the checkpoint `--resume` continues from: the one named, or the newest intact one."""
-    with cli.user_errors("--resume: "):
-        _, state, _, _ = model_io.checkpoint_to_resume(resume, out)
-    return int(state["step"])
 
 
 def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
@@ -665,13 +600,12 @@ def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
             writer and args.resume and mode == "replace", f"{out}: no checkpoint yet, starting at step 0"
         )
         return dataclasses.asdict(args)
-    settings, done = resumed_settings(args, out), checkpoint_step(args.resume, out)
-    cli.check(done <= args.steps, "--steps", f"{args.steps} is below the checkpoint's step {done}")
-    if done < args.steps or not (out / "curves.png").is_file():  # NOTE: written last; a run that stopped
-        return settings  # while writing its final adapter or curves resumes to write them
-    again = f"python train.py --resume {out} --steps M (M > {done})"
-    print_if(writer, f"{out}: the run is finished at step {done}; to train further: {again}")
-    return None
+    with cli.user_errors():  # a flag that may not change; --steps below the checkpoint's step
+        settings, note = checkpoints.resumed_settings(out, dataclasses.asdict(args), RESUME_MAY_CHANGE)
+        print_if(note is not None, note)
+        finished = checkpoints.finished_run(args.resume, out, args.steps)
+    print_if(writer and finished is not None, finished)
+    return settings if finished is None else None
 
 
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
@@ -719,10 +653,10 @@ def print_if(condition: bool, *values) -> None:  # on the writing rank only, not
 
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     print()  # the final adapter, the curves and the summary (rank 0)
-    with writing(out, out / "adapter"):
+    with checkpoints.writing(out, out / "adapter"):
         model_io.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    with writing(out, out / "curves.png"):
+    with checkpoints.writing(out, out / "curves.png"):
         logs.plot_curves(records, out / "curves.png")
     summary = logs.run_summary(records, seconds)
     print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
@@ -779,12 +713,12 @@ def train_loop(
     """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
     bad_in_a_row = 0
     for step in range(start_step + 1, args.steps + 1):
-        rng = model_io.rng_state()  # the checkpoint of step - 1 takes it, should this step fail in user code
+        rng = checkpoints.rng_state()  # step - 1's checkpoint takes it, should this step fail in user code
         try:
             record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
         except (Exception, cli.Stopped) as error:
             if log is not None:  # NOTE: the rewards come before the update: the model holds step - 1's state
-                model_io.set_rng_state(rng)
+                checkpoints.set_rng_state(rng)
                 failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised there
             raise
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
@@ -799,7 +733,7 @@ def train_loop(
                 log.step(record, timings, completions, bad_in_a_row)
                 failed_step(error, step, run, out, beta, run_id, args)
                 raise
-            with writing(out):  # metrics, timings, rollouts: an OSError names the file
+            with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
                 log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
         if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
@@ -814,33 +748,6 @@ def train_loop(
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 
-@contextlib.contextmanager
-def run_folder_lock(out: Path, hold: bool) -> Iterator[None]:
-    """One writer per run folder: its lock (cli.hold_lock), taken before anything looks into the folder and
-    held until the run ends; the kernel releases it when the process dies, however it dies. A start that
-    fails before its first write (no run record) removes the lock file and the folders it made."""
-    if not hold:
-        yield
-        return
-    with cli.user_errors():
-        created = model_io.make_run_folder(out)
-    lock_file, new_lock = out / model_io.LOCK_FILE, not (out / model_io.LOCK_FILE).exists()
-    lock = cli.hold_lock(lock_file, f"run folder {out}")
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):  # a damaged run.json is no run record either
-            new_lock = new_lock and model_io.read_run_record(out) is None
-        if new_lock:
-            lock_file.unlink()
-            with contextlib.suppress(OSError):  # only the empty folders this process made
-                for folder in (out, *out.parents) if created is not None else ():
-                    folder.rmdir()
-                    if folder == created:
-                        break
-        lock.close()
-
-
 def main(args: Args) -> dict:
     """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
     a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
@@ -851,14 +758,15 @@ def main(args: Args) -> dict:
             distributed.use_deterministic_algorithms()
         with cli.user_errors():
             device = distributed.resolve_device(args.device)
-            out = model_io.run_folder(args.output_dir, args.resume)
+            out = checkpoints.run_folder(args.output_dir, args.resume)
         timeout = dict(timeout_minutes=args.dist_timeout)
         rank, world = distributed.init_distributed(device, **timeout)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates
-        held.enter_context(run_folder_lock(out, hold=writer and not args.dry_run))  # --dry-run writes nothing
+        # --dry-run writes nothing: it takes no lock
+        held.enter_context(checkpoints.run_folder_lock(out, hold=writer and not args.dry_run))
         with cli.user_errors():
             options = dict(resume=args.resume, overwrite=args.overwrite)
-            mode = "new" if args.dry_run else model_io.check_run_folder(out, **options)
+            mode = "new" if args.dry_run else checkpoints.check_run_folder(out, **options)
         if (settings := run_settings(args, out, mode, writer)) is None:
             return {}  # --resume of a finished run
         with cli.user_errors():
@@ -876,17 +784,14 @@ def main(args: Args) -> dict:
         log = None
         if writer:
             with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
-                removed, kept = model_io.open_run_folder(out, mode, run_id, start_step, settings)
+                replaced = checkpoints.open_run_folder(out, mode, run_id, start_step, settings)
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
-            left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""
-            print_if(
-                removed, f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
-            )
+            print_if(replaced is not None, replaced)
             accuracy = (first or {}).get("eval/accuracy")
             progress = (start_step, args.steps, args.log_every, args.group_size, args.sampling.temperature)
             log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
             if first is not None:
-                with writing(out):
+                with checkpoints.writing(out):
                     log.first(first)
         distributed.barrier()
         try:

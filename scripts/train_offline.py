@@ -60,6 +60,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoints
 import cli
 import data
 import distributed
@@ -403,7 +404,7 @@ def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_bat
     state = {"epoch": record["epoch"], "metrics": record, "optimizer": optimizer.state_dict()}
     state["args"] = dataclasses.asdict(args)
     adapter = functools.partial(model_io.save_adapter, model, base_model_name_or_path=args.model)
-    save = functools.partial(model_io.save_checkpoint, write_adapter=adapter, state=state)
+    save = functools.partial(checkpoints.save_checkpoint, write_adapter=adapter, state=state)
     with cli.writing(out):  # a full disk or a vanished folder: one line, status 74
         save(out / f"checkpoint-{record['epoch']:06d}", keep_last=args.keep_last)
         if record["best"]:  # written as best.tmp, then swapped in: best/ is never half-written
@@ -424,8 +425,8 @@ def train(args: Args) -> dict:
     mode = "replace" if (out / "metrics.jsonl").exists() else "new"  # replace: check_args saw --overwrite
     with cli.writing(out):
         if mode == "replace":
-            shutil.rmtree(out / "best", ignore_errors=True)  # not among model_io's run files
-        model_io.open_run_folder(out, mode, uuid.uuid4().hex, 0, dataclasses.asdict(args))
+            shutil.rmtree(out / "best", ignore_errors=True)  # not among checkpoints.py's run files
+        checkpoints.open_run_folder(out, mode, uuid.uuid4().hex, 0, dataclasses.asdict(args))
 
     # Reference log-probs (adapters off), once and frozen; with LoRA B = 0 they equal the initial policy's.
     val_batches = with_logprobs(model, val_batches, logprobs_of, "ref_logp", adapters=False)

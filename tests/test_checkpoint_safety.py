@@ -1,4 +1,4 @@
-"""model_io.py: a checkpoint is data, not code. The trainer state (RNG states included) loads with
+"""checkpoints.py: a checkpoint is data, not code. The trainer state (RNG states included) loads with
 `torch.load(weights_only=True)`; a state file whose pickle would run code is refused before anything in it
 runs, and a state that is not plain data is refused when it is saved rather than when a resume needs it."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import model_io
+import checkpoints
 
 
 class TouchesAMarker:
@@ -51,11 +51,11 @@ def test_a_state_file_carrying_a_pickled_object_is_refused_without_running_it(tm
     folder = tmp_path / "checkpoint-000001"
     folder.mkdir()
     marker = tmp_path / "the-pickle-ran"
-    torch.save({"step": 1, "payload": TouchesAMarker(marker)}, folder / model_io.STATE_FILE)
+    torch.save({"step": 1, "payload": TouchesAMarker(marker)}, folder / checkpoints.STATE_FILE)
     assert not marker.exists()  # saving does not run it; only unpickling would
-    state_file = re.escape(str(folder / model_io.STATE_FILE))
+    state_file = re.escape(str(folder / checkpoints.STATE_FILE))
     with pytest.raises(ValueError, match=rf"^{state_file}: not a plain-data trainer state .*refusing"):
-        model_io.load_checkpoint(folder)
+        checkpoints.load_checkpoint(folder)
     assert not marker.exists()
 
 
@@ -64,24 +64,24 @@ def test_a_state_file_of_the_older_format_is_refused_with_a_clear_message(tmp_pa
     folder.mkdir()
     # The format before plain data: numpy's RNG state as an ndarray, python's as tuples.
     old_rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save({"step": 1, "rng": old_rng}, folder / model_io.STATE_FILE)
+    torch.save({"step": 1, "rng": old_rng}, folder / checkpoints.STATE_FILE)
     with pytest.raises(ValueError, match=r"run code to load: numpy\..*older version\?"):
-        model_io.load_checkpoint(folder)
+        checkpoints.load_checkpoint(folder)
 
 
 def test_a_saved_checkpoint_loads_as_plain_data_and_restores_optimizer_and_rng_exactly(tmp_path):
     opt = trained_optimizer()
     random.gauss(0.0, 1.0)  # leave a cached gaussian in python's and numpy's state
     np.random.randn(1)
-    folder = model_io.save_checkpoint(
+    folder = checkpoints.save_checkpoint(
         tmp_path / "checkpoint-000007",
         write_adapter=write_adapter_file,
         state={"step": 7, "optimizer": opt.state_dict()},
         keep_last=None,
     )
     after_save = draws()
-    plain = torch.load(folder / model_io.STATE_FILE, map_location="cpu", weights_only=True)
-    state = model_io.load_checkpoint(folder)
+    plain = torch.load(folder / checkpoints.STATE_FILE, map_location="cpu", weights_only=True)
+    state = checkpoints.load_checkpoint(folder)
     assert state["step"] == plain["step"] == 7
     fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
     fresh.load_state_dict(state["optimizer"])
@@ -89,7 +89,7 @@ def test_a_saved_checkpoint_loads_as_plain_data_and_restores_optimizer_and_rng_e
         for key, value in tensors.items():
             assert torch.equal(fresh.state_dict()["state"][index][key], value), key
     assert fresh.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
-    model_io.set_rng_state(plain["rng"])
+    checkpoints.set_rng_state(plain["rng"])
     assert draws() == after_save
 
 
@@ -98,36 +98,36 @@ def test_rng_state_survives_a_weights_only_round_trip_and_replays_every_stream(t
     random.seed(2)
     np.random.seed(3)
     draws()
-    torch.save(model_io.rng_state(), tmp_path / "rng.pt")
+    torch.save(checkpoints.rng_state(), tmp_path / "rng.pt")
     first = draws()
     draws()
-    model_io.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    checkpoints.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert draws() == first
 
 
 def test_a_state_that_is_not_plain_data_is_refused_at_save_time_and_the_previous_checkpoint_survives(
     tmp_path,
 ):
-    model_io.save_checkpoint(
+    checkpoints.save_checkpoint(
         tmp_path / "checkpoint-1", write_adapter=write_adapter_file, state={"step": 1}, keep_last=1
     )
     with pytest.raises(TypeError, match=r"not plain data \(.*pathlib"):
-        model_io.save_checkpoint(
+        checkpoints.save_checkpoint(
             tmp_path / "checkpoint-2",
             write_adapter=write_adapter_file,
             state={"step": 2, "output_dir": pathlib.Path("runs/x")},
             keep_last=1,
         )
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
-    assert model_io.load_checkpoint(tmp_path / "checkpoint-1")["step"] == 1
+    assert [p.name for p in checkpoints.list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert checkpoints.load_checkpoint(tmp_path / "checkpoint-1")["step"] == 1
 
 
 @pytest.mark.parametrize("damage", ["garbage", "empty", "cut short"])
 def test_a_damaged_or_cut_short_state_file_is_refused_as_unreadable_naming_it(tmp_path, damage):
-    folder = model_io.save_checkpoint(
+    folder = checkpoints.save_checkpoint(
         tmp_path / "checkpoint-000001", write_adapter=write_adapter_file, state={"step": 1}, keep_last=None
     )
-    path = folder / model_io.STATE_FILE
+    path = folder / checkpoints.STATE_FILE
     whole = path.read_bytes()
     path.write_bytes(
         {"garbage": b"not a checkpoint\n", "empty": b"", "cut short": whole[: len(whole) // 2]}[damage]
@@ -135,4 +135,4 @@ def test_a_damaged_or_cut_short_state_file_is_refused_as_unreadable_naming_it(tm
     with pytest.raises(
         ValueError, match=rf"^{re.escape(str(path))}: unreadable \(.+\); is it damaged or cut short\?$"
     ):
-        model_io.load_checkpoint(folder)
+        checkpoints.load_checkpoint(folder)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from conftest import train_args
 
+import checkpoints
 import cli
 import model_io
 import train
@@ -76,14 +77,14 @@ def test_resume_continues_the_copy_in_its_own_folder_and_leaves_the_default_fold
     shutil.copytree(finished_run, default)
     interrupted = tmp_path / "copy"
     shutil.copytree(finished_run, interrupted)
-    for old in model_io.list_checkpoints(interrupted)[1:]:  # interrupted after its step-2 checkpoint
+    for old in checkpoints.list_checkpoints(interrupted)[1:]:  # interrupted after its step-2 checkpoint
         shutil.rmtree(old)
     before = tree_digest(default)
     train.main(small_args(None, steps=3, save_every=1, keep_last=2, resume=str(interrupted)))
     assert tree_digest(default) == before  # the other run: every file byte for byte
     steps = [json.loads(line)["step"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]  # continued in the copy, step 3 redone once
-    assert [p.name for p in model_io.list_checkpoints(interrupted)] == [
+    assert [p.name for p in checkpoints.list_checkpoints(interrupted)] == [
         "checkpoint-000002",
         "checkpoint-000003",
     ]
@@ -106,7 +107,7 @@ def test_keep_last_pruning_never_deletes_another_runs_checkpoint(tmp_path):
             out, steps=4, save_every=1, keep_last=1, eval_size=0, resume=str(out / "checkpoint-000001")
         )
     )
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000000", "checkpoint-000004"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000000", "checkpoint-000004"]
 
 
 def test_a_start_that_fails_in_its_first_step_does_not_block_the_corrected_command(tmp_path):
@@ -228,7 +229,7 @@ def test_a_signal_during_a_step_exits_130_after_a_checkpoint_and_says_how_to_con
     assert child.returncode == 130, child.stderr[-2000:]
     assert "Traceback" not in child.stdout + child.stderr
     assert f"--resume {out}" in child.stderr
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
 
 
 # --- what the run keeps and says ----------------------------------------------------------------------------
@@ -311,13 +312,13 @@ def test_a_checkpoint_whose_state_would_run_code_is_never_loaded_on_resume(finis
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     marker = tmp_path / "ran"
-    state = run / "checkpoint-000003" / model_io.STATE_FILE
+    state = run / "checkpoint-000003" / checkpoints.STATE_FILE
     torch.save({"step": 3, "payload": CreatesFile(marker)}, state)
     torch.save({"step": 3, "payload": CreatesFile(marker)}, live := tmp_path / "live.pt")
     named = str(run / "checkpoint-000003")
     with pytest.raises(cli.UsageError, match=r"checkpoint-000003 is damaged \(trainer_state.pt is .* bytes"):
         train.main(small_args(run, steps=4, resume=named))  # its manifest does not know the file
-    (state.parent / model_io.OWNER_FILE).write_text('{"run_id": null, "step": 3}')  # an older checkpoint's
+    (state.parent / checkpoints.OWNER_FILE).write_text('{"run_id": null, "step": 3}')  # an older checkpoint's
     with pytest.raises(cli.UsageError, match="refusing to load"):
         train.main(small_args(run, steps=4, resume=named))
     train.main(small_args(run, steps=4, resume=str(run)))  # a run folder: its newest checkpoint that loads
@@ -381,4 +382,4 @@ def test_a_failing_reward_plug_in_exits_2_naming_the_reward_and_its_file_line_wi
     (line,) = [line for line in child.stderr.splitlines() if line.startswith("error:")]
     assert child.stderr.rstrip().endswith(line)  # the last word, and the only error line
     assert f"reward '{plugin}:judge'" in line and f"): {raised} (at {plugin}:4)" in line
-    assert not model_io.list_checkpoints(out)
+    assert not checkpoints.list_checkpoints(out)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import train_args
 
+import checkpoints
 import cli
 import model_io
 import train
@@ -20,7 +21,7 @@ import train
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
 FLAGS |= dict(warmup_steps=1, seed=3, steps=4, save_every=2)
-FILES = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, model_io.STATE_FILE, model_io.OWNER_FILE)
+FILES = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, checkpoints.STATE_FILE, checkpoints.OWNER_FILE)
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
@@ -28,7 +29,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != model_io.LOCK_FILE
+        if p.is_file() and p.name != checkpoints.LOCK_FILE
     }
 
 
@@ -37,7 +38,7 @@ def two_checkpoints(tmp_path_factory) -> Path:
     """A finished 4-step run with checkpoint-000002 and checkpoint-000004; copy it before damaging it."""
     out = tmp_path_factory.mktemp("whole") / "run"
     train.main(train_args(output_dir=str(out), **FLAGS))
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000002", "checkpoint-000004"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002", "checkpoint-000004"]
     return out
 
 
@@ -52,34 +53,34 @@ def cut(path: Path, how: str) -> None:
 
 def test_a_checkpoint_records_the_size_and_sha256_of_each_of_its_files(two_checkpoints):
     folder = two_checkpoints / "checkpoint-000004"
-    manifest = json.loads((folder / model_io.OWNER_FILE).read_text())
+    manifest = json.loads((folder / checkpoints.OWNER_FILE).read_text())
     assert manifest["step"] == 4 and sorted(manifest["files"]) == sorted(FILES[:3])
     for name, record in manifest["files"].items():
         data = (folder / name).read_bytes()
         assert record == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    assert model_io.verify_checkpoint(folder) is None
+    assert checkpoints.verify_checkpoint(folder) is None
 
 
 def test_verify_checkpoint_names_the_file_and_what_is_wrong(two_checkpoints, tmp_path):
     folder = copy_of(two_checkpoints, tmp_path) / "checkpoint-000004"
-    state = folder / model_io.STATE_FILE
+    state = folder / checkpoints.STATE_FILE
     size = state.stat().st_size
     data = bytearray(state.read_bytes())
     data[size // 2] ^= 1  # one bit flipped: the size still matches
     state.write_bytes(bytes(data))
     assert (
-        model_io.verify_checkpoint(folder)
-        == f"{model_io.STATE_FILE}: its SHA-256 differs from the manifest's"
+        checkpoints.verify_checkpoint(folder)
+        == f"{checkpoints.STATE_FILE}: its SHA-256 differs from the manifest's"
     )
     state.write_bytes(b"x" * 812)
-    said = f"{model_io.STATE_FILE} is 812 bytes, the manifest says {size:,}"
-    assert model_io.verify_checkpoint(folder) == said
+    said = f"{checkpoints.STATE_FILE} is 812 bytes, the manifest says {size:,}"
+    assert checkpoints.verify_checkpoint(folder) == said
     state.unlink()
-    assert model_io.verify_checkpoint(folder) == f"{model_io.STATE_FILE} is missing"
-    (folder / model_io.OWNER_FILE).write_text("[1, 2]")  # foreign JSON: no manifest to trust
-    assert model_io.verify_checkpoint(folder) == f"{model_io.OWNER_FILE} is unreadable"
-    (folder / model_io.OWNER_FILE).write_text('{"run_id": "a", "step": 4}')  # an older checkpoint's
-    assert model_io.verify_checkpoint(folder) is None
+    assert checkpoints.verify_checkpoint(folder) == f"{checkpoints.STATE_FILE} is missing"
+    (folder / checkpoints.OWNER_FILE).write_text("[1, 2]")  # foreign JSON: no manifest to trust
+    assert checkpoints.verify_checkpoint(folder) == f"{checkpoints.OWNER_FILE} is unreadable"
+    (folder / checkpoints.OWNER_FILE).write_text('{"run_id": "a", "step": 4}')  # an older checkpoint's
+    assert checkpoints.verify_checkpoint(folder) is None
 
 
 @pytest.mark.parametrize("how", ["half", "empty"])
@@ -92,7 +93,7 @@ def test_a_newest_checkpoint_file_cut_short_or_emptied_is_reported_and_the_older
     cut(run / "checkpoint-000004" / name, how)
     train.main(train_args(output_dir=None, resume=str(run), **FLAGS))
     printed = capsys.readouterr().out
-    if name == model_io.OWNER_FILE:
+    if name == checkpoints.OWNER_FILE:
         why = f"{name} is unreadable"
     else:
         why = f"{name} is {size // 2 if how == 'half' else 0:,} bytes, the manifest says {size:,}"
@@ -100,7 +101,7 @@ def test_a_newest_checkpoint_file_cut_short_or_emptied_is_reported_and_the_older
     assert f"warning: checkpoint-000004 is damaged ({why}); {redone}\n" in printed
     # Steps 3 and 4 trained again from checkpoint-000002 give the same bytes as the first time.
     assert (run / "metrics.jsonl").read_bytes() == (two_checkpoints / "metrics.jsonl").read_bytes()
-    assert model_io.verify_checkpoint(run / "checkpoint-000004") is None  # written anew
+    assert checkpoints.verify_checkpoint(run / "checkpoint-000004") is None  # written anew
 
 
 def resume_in_a_process(run: Path, resume: Path) -> subprocess.CompletedProcess:
@@ -113,15 +114,15 @@ def test_with_every_checkpoint_damaged_resume_stops_with_one_line_naming_each_an
     two_checkpoints, tmp_path
 ):
     run = copy_of(two_checkpoints, tmp_path)
-    cut(run / "checkpoint-000004" / model_io.STATE_FILE, "empty")
+    cut(run / "checkpoint-000004" / checkpoints.STATE_FILE, "empty")
     cut(run / "checkpoint-000002" / model_io.ADAPTER_WEIGHTS, "half")
     before = tree_digest(run)
     child = resume_in_a_process(run, run)
     assert child.returncode == 2, child.stderr
     errors = [line for line in child.stderr.splitlines() if "error" in line.lower()]
     weights = (two_checkpoints / "checkpoint-000002" / model_io.ADAPTER_WEIGHTS).stat().st_size
-    state = (two_checkpoints / "checkpoint-000004" / model_io.STATE_FILE).stat().st_size
-    newest = f"checkpoint-000004 ({model_io.STATE_FILE} is 0 bytes, the manifest says {state:,})"
+    state = (two_checkpoints / "checkpoint-000004" / checkpoints.STATE_FILE).stat().st_size
+    newest = f"checkpoint-000004 ({checkpoints.STATE_FILE} is 0 bytes, the manifest says {state:,})"
     older = f"checkpoint-000002 ({model_io.ADAPTER_WEIGHTS} is {weights // 2:,} bytes, the manifest says"
     older += f" {weights:,})"
     assert errors == [f"error: --resume: no intact checkpoint in {run}: {newest}; {older}"]
@@ -142,8 +143,8 @@ def test_a_checkpoint_without_a_manifest_resumes_and_a_cut_adapter_there_is_one_
     two_checkpoints, tmp_path
 ):
     run = copy_of(two_checkpoints, tmp_path)
-    for folder in model_io.list_checkpoints(run):  # as an older version wrote them: nothing to verify
-        (folder / model_io.OWNER_FILE).write_text(json.dumps({"run_id": None, "step": 0}))
+    for folder in checkpoints.list_checkpoints(run):  # as an older version wrote them: nothing to verify
+        (folder / checkpoints.OWNER_FILE).write_text(json.dumps({"run_id": None, "step": 0}))
     weights = run / "checkpoint-000004" / model_io.ADAPTER_WEIGHTS
     cut(weights, "half")
     with pytest.raises(cli.UsageError, match=rf"{weights}: unreadable \(.*\); is it damaged or cut short\?$"):
@@ -157,7 +158,7 @@ def test_a_foreign_state_file_in_a_checkpoint_without_a_manifest_is_named_not_a_
 ):
     run = copy_of(two_checkpoints, tmp_path)
     folder = run / "checkpoint-000004"
-    (folder / model_io.OWNER_FILE).unlink()  # nothing to verify
-    torch.save([1, 2, 3], folder / model_io.STATE_FILE)  # a torch file, but no trainer state
+    (folder / checkpoints.OWNER_FILE).unlink()  # nothing to verify
+    torch.save([1, 2, 3], folder / checkpoints.STATE_FILE)  # a torch file, but no trainer state
     with pytest.raises(ValueError, match=r"trainer_state.pt: not a trainer state \(a list, not a dict\)"):
-        model_io.checkpoint_to_resume(folder, run)
+        checkpoints.checkpoint_to_resume(folder, run)

@@ -26,6 +26,7 @@ import torch
 from conftest import make_run, train_args
 from safetensors.torch import load_file
 
+import checkpoints
 import data
 import distributed
 import grpo
@@ -215,7 +216,7 @@ def test_main_on_two_ranks_writes_metrics_checkpoints_and_adapter_once(two_rank_
     assert [r["step"] for r in records] == [0, 1, 2]  # one writer: no line twice
     assert all("eval/accuracy" in r for r in records) and "reward/mean" in records[1]
     assert len((out / "timings.jsonl").read_text().splitlines()) == 2
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001", "checkpoint-000002"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001", "checkpoint-000002"]
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "curves.png").is_file()
     assert done.stdout.count("done:") == 1 and "2 ranks x 2 prompts" in done.stdout
 

@@ -1,13 +1,11 @@
 """model_io.py: the embedded tiny VLM loads offline like a real checkpoint, a LoRA-merged export reloads
-identically, checkpoints are atomic and restore RNG exactly; plus the project-wide import-direction guard."""
+identically, damaged adapter files are refused; plus the project-wide import-direction guard."""
 
 import ast
 import copy
 import functools
-import json
 import math
 import os
-import random
 import re
 import socket
 import subprocess
@@ -15,13 +13,13 @@ import sys
 from pathlib import Path
 
 import huggingface_hub.constants
-import numpy as np
 import pytest
 import torch
 from conftest import make_random_causal_lm
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
 
+import checkpoints
 import data
 import grpo
 import lora
@@ -159,109 +157,7 @@ def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_
     torch.testing.assert_close(full_logits(reloaded, inputs, tokens), logits, atol=1e-5, rtol=0)
 
 
-# --- checkpoints --------------------------------------------------------------------------------------------
-
-
-def write_adapter_file(folder: Path) -> None:
-    (folder / "adapter_model.safetensors").write_bytes(b"weights")
-
-
-def save(
-    run: Path, step: int, keep_last: int | None = None, write_adapter=write_adapter_file, run_id=None
-) -> Path:
-    return model_io.save_checkpoint(
-        run / f"checkpoint-{step}",
-        write_adapter=write_adapter,
-        state={"step": step},
-        keep_last=keep_last,
-        run_id=run_id,
-    )
-
-
-def draws() -> tuple:
-    return torch.rand(4).tolist(), random.random(), np.random.rand(3).tolist()
-
-
-def test_checkpoint_round_trips_step_optimizer_state_and_rng(tmp_path):
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
-    layer(torch.randn(5, 3)).sum().backward()
-    opt.step()
-    folder = model_io.save_checkpoint(
-        tmp_path / "checkpoint-000007",
-        write_adapter=write_adapter_file,
-        state={"step": 7, "optimizer": opt.state_dict()},
-        keep_last=None,
-    )
-    after_save = draws()
-    state = model_io.load_checkpoint(folder)
-    assert state["step"] == 7
-    assert (folder / "adapter_model.safetensors").read_bytes() == b"weights"
-    fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
-    fresh.load_state_dict(state["optimizer"])
-    for key, value in opt.state_dict()["state"][0].items():
-        assert torch.equal(fresh.state_dict()["state"][0][key], value), key
-    model_io.set_rng_state(state["rng"])
-    assert draws() == after_save
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000007"]  # no temporary folder left
-
-
-def test_set_rng_state_restores_torch_python_and_numpy_streams_exactly():
-    torch.manual_seed(1)
-    random.seed(2)
-    np.random.seed(3)
-    draws()
-    saved = model_io.rng_state()
-    first = draws()
-    draws()
-    model_io.set_rng_state(saved)
-    assert draws() == first
-
-
-def test_keep_last_prunes_older_checkpoints_in_numeric_order(tmp_path):
-    for step in (8, 9, 10, 11):  # 'checkpoint-10' < 'checkpoint-9' as strings: the order must be numeric
-        save(tmp_path, step, keep_last=2)
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-10", "checkpoint-11"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-11"]
-
-
-def test_keep_last_with_a_run_id_prunes_only_that_runs_older_checkpoints(tmp_path):
-    save(tmp_path, 1, run_id="run-a")
-    save(tmp_path, 2, run_id="run-a")
-    save(tmp_path, 3, run_id="run-b")
-    save(tmp_path, 4, run_id="run-b")
-    save(tmp_path, 5)  # written without a run id: nobody's to prune
-    save(tmp_path, 6, keep_last=1, run_id="run-a")
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (3, 4, 5, 6)]
-    assert [model_io.checkpoint_run_id(tmp_path / f"checkpoint-{s}") for s in (3, 4, 5, 6)] == [
-        "run-b",
-        "run-b",
-        None,
-        "run-a",
-    ]
-    owner = json.loads((tmp_path / "checkpoint-6" / "checkpoint.json").read_text())
-    assert (owner["run_id"], owner["step"], sorted(owner["files"])) == (
-        "run-a",
-        6,
-        ["adapter_model.safetensors", model_io.STATE_FILE],
-    )
-    save(tmp_path, 7, keep_last=1, run_id="run-b")
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == [f"checkpoint-{s}" for s in (5, 6, 7)]
-
-
-def test_resume_takes_a_run_folders_newest_checkpoint_or_the_one_named_and_refuses_another_runs(tmp_path):
-    for step in (1, 2):
-        state = {"step": step, "run_id": "run-a"}
-        model_io.save_checkpoint(
-            tmp_path / f"checkpoint-{step}", write_adapter=write_adapter_file, state=state, keep_last=None
-        )
-    checkpoint, state, run_id, report = model_io.checkpoint_to_resume(tmp_path, tmp_path)
-    assert (checkpoint.name, state["step"], run_id, report) == ("checkpoint-2", 2, "run-a", None)
-    assert model_io.checkpoint_to_resume(tmp_path / "checkpoint-1", tmp_path)[1]["step"] == 1
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": "run-b"}))  # the folder now holds another run
-    with pytest.raises(ValueError, match="checkpoint-2 belongs to another run"):
-        model_io.checkpoint_to_resume(tmp_path, tmp_path)
+# --- the learning-rate schedule -----------------------------------------------------------------------------
 
 
 def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there():
@@ -277,45 +173,7 @@ def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there(
     assert lrs == pytest.approx(expected, abs=1e-12)
 
 
-def test_leftover_tmp_folder_from_a_crash_is_ignored_and_replaced_on_the_next_save(tmp_path):
-    (tmp_path / "run.json").write_text('{"run_id": "r"}')
-    save(tmp_path, 1, run_id="r")
-    leftover = tmp_path / "checkpoint-2.tmp"
-    leftover.mkdir()
-    (leftover / "half_written.bin").write_bytes(b"partial")
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
-    folder = save(tmp_path, 2)
-    assert not leftover.exists()
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "adapter_model.safetensors",
-        model_io.OWNER_FILE,
-        model_io.STATE_FILE,
-    ]
-    assert model_io.load_checkpoint(folder)["step"] == 2
-
-
-def test_failing_write_adapter_leaves_the_previous_checkpoint_intact_and_no_final_folder(tmp_path):
-    def crash(folder: Path) -> None:
-        (folder / "adapter_model.safetensors").write_bytes(b"half")
-        raise RuntimeError("disk full")
-
-    save(tmp_path, 1, keep_last=1)
-    with pytest.raises(RuntimeError, match="disk full"):
-        save(tmp_path, 2, keep_last=1, write_adapter=crash)
-    assert not (tmp_path / "checkpoint-2").exists()
-    with pytest.raises(RuntimeError, match="disk full"):  # re-saving the same step must not lose it either
-        save(tmp_path, 1, keep_last=1, write_adapter=crash)
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1"]
-    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").read_bytes() == b"weights"
-    assert model_io.load_checkpoint(tmp_path / "checkpoint-1")["step"] == 1
-
-
-def test_load_checkpoint_of_a_folder_without_state_raises_naming_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
-        model_io.load_checkpoint(tmp_path)
-
-
-# --- damaged or odd files in a run folder -------------------------------------------------------------------
+# --- damaged or odd adapter files ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -336,12 +194,12 @@ def test_an_adapter_with_nan_or_inf_weights_is_refused_naming_the_file_and_the_t
 
 # What `--resume` reads: the checkpoint's trainer state, then its adapter into the model.
 RESUME = """
-import sys, torch, model_io
+import sys, torch, checkpoints, model_io
 from pathlib import Path
 model = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[0]
 for run in sys.argv[1:]:
     try:
-        model_io.load_adapter(model, model_io.checkpoint_to_resume(run, Path(run))[0])
+        model_io.load_adapter(model, checkpoints.checkpoint_to_resume(run, Path(run))[0])
     except ValueError as e:
         print(e)
 """
@@ -353,23 +211,24 @@ def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blo
     model = copy.deepcopy(tiny[0])
     lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
     write = functools.partial(model_io.save_adapter, model, base_model_name_or_path=str(ASSET))
-    names = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG, model_io.STATE_FILE, model_io.OWNER_FILE)
+    names = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG)
+    names += (checkpoints.STATE_FILE, checkpoints.OWNER_FILE)
     runs, expected = [], []
     for i, (name, make) in enumerate([*((name, os.mkfifo) for name in names), (names[0], Path.mkdir)]):
         for manifest in (True, False):  # verified against the manifest; an older checkpoint, without one
-            if name == model_io.OWNER_FILE and not manifest:
+            if name == checkpoints.OWNER_FILE and not manifest:
                 continue
             checkpoint = tmp_path / f"run-{i}-{manifest}" / "checkpoint-000001"
-            model_io.save_checkpoint(checkpoint, write_adapter=write, state={"step": 1}, keep_last=None)
+            checkpoints.save_checkpoint(checkpoint, write_adapter=write, state={"step": 1}, keep_last=None)
             if not manifest:
-                (checkpoint / model_io.OWNER_FILE).write_text('{"run_id": null, "step": 1}')
+                (checkpoint / checkpoints.OWNER_FILE).write_text('{"run_id": null, "step": 1}')
             (checkpoint / name).unlink()
             make(checkpoint / name)
             runs.append(str(checkpoint.parent))
-            reason = "is unreadable" if name == model_io.OWNER_FILE else "is not a regular file"
+            reason = "is unreadable" if name == checkpoints.OWNER_FILE else "is not a regular file"
             damaged = f"no intact checkpoint in {checkpoint.parent}: checkpoint-000001 ({name} {reason})"
             refused = f"{checkpoint / name} is not a regular file; refusing to read it"
-            if name == model_io.STATE_FILE and not manifest:  # read while looking for an intact checkpoint
+            if name == checkpoints.STATE_FILE and not manifest:  # read while looking for an intact checkpoint
                 refused = f"no intact checkpoint in {checkpoint.parent}: checkpoint-000001 ({refused})"
             expected.append(damaged if manifest else refused)
     # In a child process: opening a FIFO blocks until a writer comes, so a regression times out, not hangs.
@@ -385,33 +244,6 @@ def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blo
     )
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == expected
-
-
-def test_a_leftover_temporary_checkpoint_folder_is_removed_when_the_run_folder_opens_and_never_resumed(
-    tmp_path,
-):
-    (tmp_path / "run.json").write_text('{"run_id": "r"}')
-    save(tmp_path, 1, run_id="r")
-    leftover = tmp_path / "checkpoint-2.tmp"  # a save killed before the rename that completes it
-    leftover.mkdir()
-    (leftover / model_io.STATE_FILE).write_bytes(b"half")
-    assert model_io.check_run_folder(tmp_path, resume=str(tmp_path), overwrite=False) == "resume"
-    checkpoint, state, run_id, _ = model_io.checkpoint_to_resume(tmp_path, tmp_path)
-    assert (checkpoint.name, state["step"]) == ("checkpoint-1", 1)
-    model_io.open_run_folder(tmp_path, "resume", run_id, 1, {})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "run.json"]
-
-
-@pytest.mark.parametrize(
-    "owner", [b"{not json", b"[1, 2]", b"\xff\xfe"], ids=["not-json", "a-list", "not-utf8"]
-)
-def test_a_checkpoint_whose_owner_file_is_unreadable_is_no_runs_to_prune_and_saving_goes_on(tmp_path, owner):
-    save(tmp_path, 1, run_id="run-a")
-    (tmp_path / "checkpoint-1" / model_io.OWNER_FILE).write_bytes(owner)
-    assert model_io.checkpoint_run_id(tmp_path / "checkpoint-1") is None
-    for step in (2, 3):
-        save(tmp_path, step, keep_last=1, run_id="run-a")
-    assert [p.name for p in model_io.list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3"]
 
 
 # --- load_model errors and text-only models -----------------------------------------------------------------
@@ -460,7 +292,8 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_project_modules_import_in_one_direction():
     project = {p.stem for p in ROOT.glob("*.py")}
-    expected = {"data", "grpo", "lora", "model_io", "rewards", "speedups", "distributed", "tasks", "train"}
+    expected = {"data", "grpo", "lora", "model_io", "checkpoints", "rewards", "speedups", "distributed"}
+    expected |= {"tasks", "train"}
     assert expected <= project
     stdlib = set(sys.stdlib_module_names)
     # Third-party packages each leaf module may use besides the standard library (None: not restricted).
@@ -475,11 +308,14 @@ def test_project_modules_import_in_one_direction():
         "trackers": {"torch"},  # SummaryWriter, imported inside open_tracker for --report-to tensorboard
         "data": None,
         "model_io": None,
+        "checkpoints": {"torch", "numpy"},
     }
     # The project modules each may import: a speed-up re-arranges grpo.py (never the reverse); data builds
     # the built-in tasks' samples (tasks.py never reads data.py); model_io writes lora.py's adapters to files;
+    # checkpoints writes through model_io's whole-file writes and holds the run folder's lock (cli.hold_lock);
     # train wires all.
     allowed_project = {"speedups": {"grpo", "lora"}, "data": {"tasks"}, "model_io": {"lora"}}
+    allowed_project["checkpoints"] = {"model_io", "cli"}
     for name in sorted(project - {"train"}):
         imports = imported_modules(ROOT / f"{name}.py")
         assert "." not in imports, f"{name}.py uses a relative import"
@@ -488,23 +324,3 @@ def test_project_modules_import_in_one_direction():
         if allowed.get(name) is not None:
             extra = imports - stdlib - allowed[name] - own
             assert not extra, f"{name}.py imports {sorted(extra)} (allowed: stdlib + {sorted(allowed[name])})"
-
-
-def test_trim_jsonl_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    lines = [json.dumps({"step": s, "label": "通过", "loss": s / 3}, ensure_ascii=False) for s in range(6)]
-    # the crash cut the last line inside a 3-byte UTF-8 character
-    torn = json.dumps({"step": 6, "label": "通过"}, ensure_ascii=False).encode()[:-4]
-    path.write_bytes(("\n".join(lines) + "\n").encode() + torn)
-    model_io.trim_jsonl(path, last_step=3)
-    assert path.read_text(encoding="utf-8") == "\n".join(lines[:4]) + "\n"  # kept lines byte for byte
-    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left behind
-
-
-def test_trim_jsonl_drops_a_torn_line_even_below_the_step_and_ignores_a_missing_file(tmp_path):
-    path = tmp_path / "rollouts.jsonl"
-    path.write_text('{"step": 1, "completion": "a"}\n{"step": 2, "compl')
-    model_io.trim_jsonl(path, last_step=10)
-    assert path.read_text() == '{"step": 1, "completion": "a"}\n'
-    model_io.trim_jsonl(tmp_path / "absent.jsonl", last_step=3)
-    assert not (tmp_path / "absent.jsonl").exists()

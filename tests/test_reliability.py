@@ -20,6 +20,7 @@ import torch
 from conftest import train_args
 from PIL import Image
 
+import checkpoints
 import cli
 import grpo
 import lora
@@ -49,7 +50,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != model_io.LOCK_FILE
+        if p.is_file() and p.name != checkpoints.LOCK_FILE
     }
 
 
@@ -92,7 +93,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_un
     with pytest.raises(SystemExit, match=rf"stopped after step 2 \({signum.name}\).*--resume"):
         train.main(small_args(cut, steps=4, save_every=100))
     assert signal.getsignal(signum) is previous_handler  # the handler is not left behind
-    assert [p.name for p in model_io.list_checkpoints(cut)] == ["checkpoint-000002"]
+    assert [p.name for p in checkpoints.list_checkpoints(cut)] == ["checkpoint-000002"]
     monkeypatch.setattr(train, "policy_update", real_update)
 
     train.main(small_args(cut, steps=4, save_every=100, resume=str(cut)))
@@ -109,16 +110,16 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadabl
     script = f"""
 import os, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-import model_io, train
-real_write, calls = model_io._write, []
+import checkpoints, model_io, train
+real_write, calls = model_io.write_file, []
 def dying_write(path, content, **kwargs):
-    calls.extend([path] if path.name == model_io.STATE_FILE else [])
+    calls.extend([path] if path.name == checkpoints.STATE_FILE else [])
     if len(calls) == 2:
         with open(path, "wb") as f:
             f.write(content[: len(content) // 2])
         os._exit(9)
     return real_write(path, content, **kwargs)
-model_io._write = dying_write
+model_io.write_file = dying_write
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from conftest import train_args
 train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
@@ -127,8 +128,8 @@ train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r
         [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300
     )
     assert child.returncode == 9, child.stderr[-2000:]
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001"]
-    state = model_io.load_checkpoint(out / "checkpoint-000001")
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
+    state = checkpoints.load_checkpoint(out / "checkpoint-000001")
     assert state["step"] == 1
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2 was logged, its checkpoint never completed
@@ -204,7 +205,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_p
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"stopped after step 2 \(2 bad steps in a row\)"):
         train.main(small_args(out, steps=10, save_every=100, max_bad_steps=1))
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000002"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002"]
 
 
 def test_a_zero_variance_group_gives_zero_advantage_not_nan():
@@ -260,7 +261,7 @@ def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_earlier_files_in
     assert any("reward" in note and "judge" in note for note in info.value.__notes__)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
-    assert model_io.load_checkpoint(out / "checkpoint-000001")["step"] == 1
+    assert checkpoints.load_checkpoint(out / "checkpoint-000001")["step"] == 1
 
 
 # --------------------------------------------------------------------------------------------------

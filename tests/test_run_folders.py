@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
+import checkpoints
 import cli
-import model_io
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != model_io.LOCK_FILE
+        if p.is_file() and p.name != checkpoints.LOCK_FILE
     }
 
 
@@ -109,7 +109,7 @@ def test_a_second_process_on_a_running_folder_is_refused_and_a_killed_holder_blo
     assert steps_of(out / "metrics.jsonl") == [0, 1, 2]  # the first run's steps only
     assert steps_of(out / "rollouts.jsonl") == [1] * 4 + [2] * 4
     run_id = json.loads((out / "run.json").read_text())["run_id"]
-    assert model_io.checkpoint_run_id(out / "checkpoint-000002") == run_id
+    assert checkpoints.checkpoint_run_id(out / "checkpoint-000002") == run_id
 
     # A holder killed with SIGKILL (no clean-up at all) leaves no stale lock: the same command starts again.
     killed = tmp_path / "killed"
@@ -186,7 +186,7 @@ def test_a_signal_during_a_slow_reward_stops_at_once_with_the_last_finished_step
         "stopped by SIGTERM while a reward function ran; checkpoint of step 1 written. Continue with: "
         f"python train.py --resume {out}"
     )
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
     assert steps_of(out / "metrics.jsonl") == [0, 1]
 
 
@@ -211,7 +211,7 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_and_the_fixed_run_resum
     assert failure.value.user_message.endswith(
         f"checkpoint of step 1 written. Once that is fixed, continue with: python train.py --resume {out}"
     )
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
     broken.unlink()
     train.main(train_args(output_dir=str(out), resume=str(out), **flags))
     for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -240,7 +240,7 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
     out = tmp_path / "run"
     train.main(train_args(output_dir=str(out), steps=1, **SMALL))
     foreign = out / "checkpoint-000099"  # another run's checkpoint, and a file of the user's
-    model_io.save_checkpoint(
+    checkpoints.save_checkpoint(
         foreign, write_adapter=lambda d: None, state={"step": 99}, keep_last=None, run_id="x"
     )
     (out / "notes.txt").write_text("mine")
@@ -252,7 +252,7 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
         "rollouts.jsonl, run.json, timings.jsonl" in printed
     )
     assert "; left in place (not the run's own): checkpoint-000099, notes.txt" in printed
-    assert model_io.checkpoint_run_id(foreign) == "x" and (out / "notes.txt").read_text() == "mine"
+    assert checkpoints.checkpoint_run_id(foreign) == "x" and (out / "notes.txt").read_text() == "mine"
 
 
 def test_an_unusable_output_folder_or_run_json_is_one_line_naming_it(tmp_path):

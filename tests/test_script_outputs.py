@@ -421,13 +421,29 @@ def test_a_line_that_does_not_fit_on_the_disk_is_cut_back_off_leaving_whole_line
 # Ctrl-C at any moment
 
 
+def slow_reward(folder: Path) -> Path:
+    """A reward plug-in that takes half a second a call: the scoring outlasts the Ctrl-C on a fast machine."""
+    plugin = folder / "slow.py"
+    plugin.write_text(
+        "import time\n\n\ndef judge(completion, sample):\n    time.sleep(0.5)\n    return 1.0\n"
+    )
+    return plugin
+
+
 def script_commands(tmp_path: Path) -> dict[str, list[str]]:
     rollouts, prompts = rollouts_and_prompts(tmp_path / "in")
     photos = photo_folder(tmp_path / "in")
     out = tmp_path / "out"
     return {
         "evaluate.py": ["--eval-size", "4", "--output", out / "e.jsonl"],
-        "score_rollouts.py": ["--rollouts", rollouts, "--prompts", prompts, "--output", out / "s.jsonl"],
+        "score_rollouts.py": ["--rollouts", rollouts, "--prompts", prompts, "--output", out / "s.jsonl"]
+        + [
+            "--reward",
+            "label",
+            f"{slow_reward(tmp_path / 'in')}:judge",
+            "--cache",
+            tmp_path / "in" / "c.sqlite",
+        ],
         "summarize_photos.py": ["--photos", photos, "--prompt-template", tmp_path / "in" / "prompt.txt"]
         + ["--output", out / "a.jsonl"],
         "train_offline.py": ["--demo", "--output-dir", out],

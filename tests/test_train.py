@@ -20,6 +20,7 @@ import torch
 from conftest import make_run, train_args
 from PIL import Image
 
+import checkpoints
 import cli
 import data
 import grpo
@@ -441,8 +442,8 @@ def test_main_logs_step_zero_and_one_parsable_line_per_step(finished_run):
 
 def test_main_writes_checkpoints_a_peft_adapter_and_png_curves(finished_run):
     out, _ = finished_run
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000002", "checkpoint-000003"]
-    state = model_io.load_checkpoint(out / "checkpoint-000003")
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002", "checkpoint-000003"]
+    state = checkpoints.load_checkpoint(out / "checkpoint-000003")
     assert state["step"] == 3
     adapter = out / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -487,7 +488,7 @@ def test_overwrite_replaces_the_previous_runs_checkpoints(tmp_path):
     train.main(small_args(out, steps=1, save_every=1, keep_last=2, overwrite=True))
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
     # Stale checkpoints of the old run would outrank the new one: pruning would delete it, resume load them.
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000001"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
 
 
 def test_dry_run_changes_no_weight_and_writes_nothing(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import checkpoints
 import cli
 import data
 import grpo
@@ -246,10 +247,10 @@ def test_tau_and_curriculum_switch_happen_at_the_configured_epochs(run):
 def test_run_keeps_best_checkpoint_by_reward_last_checkpoints_and_final_adapter(run):
     out, records = run
     expected = best_epoch("reward", [r["val/reward"] for r in records[1:]])
-    assert model_io.load_checkpoint(out / "best")["epoch"] == expected
+    assert checkpoints.load_checkpoint(out / "best")["epoch"] == expected
     assert [r["epoch"] for r in records if r.get("best")][-1] == expected
     assert (out / "best" / model_io.ADAPTER_WEIGHTS).is_file() and not (out / "best.tmp").exists()
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000003", "checkpoint-000004"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000003", "checkpoint-000004"]
     assert (out / "adapter" / model_io.ADAPTER_CONFIG).is_file()
 
 
@@ -261,7 +262,7 @@ def test_demo_flag_runs_and_keeps_best_by_kl(tmp_path):
     offline.main(args)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     expected = best_epoch("kl", [r["val/kl"] for r in records[1:]])
-    assert model_io.load_checkpoint(out / "best")["epoch"] == expected
+    assert checkpoints.load_checkpoint(out / "best")["epoch"] == expected
     assert data.read_jsonl(out / "demo" / "train.jsonl")[0]["images"]  # the demo wrote real files
     with pytest.raises(cli.UsageError, match="--overwrite"):
         offline.main(args)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
+import checkpoints
 import cli
 import logs
 import model_io
@@ -110,8 +111,8 @@ def test_a_full_disk_at_each_kind_of_write_is_one_line_naming_the_file_and_leave
     )
     assert str(failed.value) == f"cannot write {out / named}: {NO_SPACE}; {go_on}"
     assert leftovers(out) == []
-    assert [p.name for p in model_io.list_checkpoints(out)][-1] == intact
-    assert model_io.verify_checkpoint(out / intact) is None
+    assert [p.name for p in checkpoints.list_checkpoints(out)][-1] == intact
+    assert checkpoints.verify_checkpoint(out / intact) is None
     assert_logs_whole(out)
     assert not (out / "curves.png").exists()
 
@@ -131,18 +132,18 @@ def test_a_failed_checkpoint_write_names_the_file_removes_the_temporary_folder_a
     def write_adapter(folder: Path) -> None:
         (folder / model_io.ADAPTER_WEIGHTS).write_bytes(b"weights")
 
-    model_io.save_checkpoint(
+    checkpoints.save_checkpoint(
         tmp_path / "checkpoint-1", write_adapter=write_adapter, state={"step": 1}, keep_last=1
     )
-    fail_on(monkeypatch, "fsync", lambda path: path.endswith(model_io.STATE_FILE), error)
+    fail_on(monkeypatch, "fsync", lambda path: path.endswith(checkpoints.STATE_FILE), error)
     said = rf"^cannot write .*checkpoint-2.tmp/trainer_state.pt: {os.strerror(error)}$"
     with pytest.raises(cli.WriteFailed, match=said), cli.writing(tmp_path / "checkpoint-2"):
-        model_io.save_checkpoint(
+        checkpoints.save_checkpoint(
             tmp_path / "checkpoint-2", write_adapter=write_adapter, state={"step": 2}, keep_last=1
         )
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]
-    assert model_io.verify_checkpoint(tmp_path / "checkpoint-1") is None
+    assert checkpoints.verify_checkpoint(tmp_path / "checkpoint-1") is None
 
 
 def test_a_jsonl_append_that_fails_half_way_cuts_the_file_back_to_its_last_whole_line(tmp_path, monkeypatch):
@@ -191,8 +192,8 @@ def test_a_real_full_disk_at_a_checkpoint_exits_74_with_one_line_and_resume_goes
     assert errors == [f"error: cannot write {failed}; {go_on} --resume {out}"]
     assert "Traceback" not in child.stderr
     assert leftovers(out) == []
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000002"]
-    assert model_io.verify_checkpoint(out / "checkpoint-000002") is None
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002"]
+    assert checkpoints.verify_checkpoint(out / "checkpoint-000002") is None
 
     subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
     child = subprocess.run(
@@ -202,5 +203,5 @@ def test_a_real_full_disk_at_a_checkpoint_exits_74_with_one_line_and_resume_goes
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [
         *range(7)
     ]
-    assert [p.name for p in model_io.list_checkpoints(out)] == ["checkpoint-000004", "checkpoint-000006"]
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000004", "checkpoint-000006"]
     shutil.rmtree(out)
