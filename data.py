@@ -160,10 +160,12 @@ def _resize_rule(image_processor) -> tuple[int, int, int, int] | None:
     return factor, size["shortest_edge"], size["longest_edge"], image_processor.resample
 
 
+NO_BOMB_WARNING = dict(action="ignore", category=Image.DecompressionBombWarning)  # --max-image-pixels decides
+
+
 def image_size(path: str | Path) -> tuple[int, int]:
     """(width, height) from the file's header, nothing decoded."""
-    with warnings.catch_warnings(), Image.open(path) as im:
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # --max-image-pixels decides
+    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
         return im.size
 
 
@@ -186,8 +188,7 @@ def _shrunk(path: str, rule: tuple[int, int, int, int]) -> Image.Image:
     full image. NOTE: a JPEG decodes at a reduced DCT scale first (`draft`, never below that size), so it is
     never decoded in full, and its `pixel_values` are close to, not equal to, the full image's. The last 8
     stay in memory (at most 8 x max_pixels x 3 bytes): an image drawn again soon is not decoded again."""
-    with warnings.catch_warnings(), Image.open(path) as im:
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
         original = im.size
         height, width = smart_resize(original[1], original[0], *rule[:3])
         im.draft(None, (width, height))  # JPEG only; other formats ignore it
