@@ -141,10 +141,9 @@ def sample_shared_prefill(
         running = torch.ones(N, dtype=torch.bool, device=device)  # (N,) no EOS yet
         ends = torch.as_tensor(eos_token_id, device=device).reshape(-1)  # one id or several
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
-        every, rng_states, cache_keyword = FINISHED_CHECK_EVERY.get(device.type, 1), [], _cache_keyword(model)
-        rng = (
-            torch.cuda.default_generators[device.index] if device.type == "cuda" else torch.default_generator
-        )
+        every, rng_states, cuda = FINISHED_CHECK_EVERY.get(device.type, 1), [], device.type == "cuda"
+        rng = torch.cuda.default_generators[device.index] if cuda else torch.default_generator
+        fixed = {"attention_mask": mask, "use_cache": True, _cache_keyword(model): cache}  # every step's
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             rng_states.append(rng.get_state())  # the generator multinomial draws from
@@ -153,13 +152,8 @@ def sample_shared_prefill(
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
             if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
-            logits = model(
-                input_ids=tokens[:, t, None],
-                attention_mask=mask,
-                position_ids=position + t,  # (N, 1); for Qwen-VL the same on all three mRoPE axes
-                use_cache=True,
-                **{cache_keyword: cache},
-            ).logits[:, -1]  # (N, V)
+            # position_ids (N, 1): for Qwen-VL the same on all three mRoPE axes. logits: (N, V)
+            logits = model(input_ids=tokens[:, t, None], position_ids=position + t, **fixed).logits[:, -1]
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws
