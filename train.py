@@ -722,6 +722,7 @@ def train_loop(
                 failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised there
             raise
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
+        del ro  # NOTE: its chunks and trunk recordings are freed before the next step samples, not after
         if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
             beta = grpo.adapt_beta(beta, record["kl"], args.loss)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank

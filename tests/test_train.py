@@ -7,12 +7,14 @@ exactly, refuses to clobber a run, and a short seeded run learns. Runs use small
 2..4 steps) so that each `main` call takes a second or two.
 """
 
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -604,3 +606,22 @@ def test_suppressed_tokens_are_the_vision_markers_and_specials_but_never_eos():
     vision = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
     assert {tokenizer.convert_tokens_to_ids(t) for t in vision} <= set(ids)
     assert tokenizer.eos_token_id not in ids and tokenizer.pad_token_id in ids
+
+
+def test_a_steps_rollout_is_freed_before_the_next_step_samples(tmp_path, monkeypatch):
+    """Peak memory holds one rollout (its chunks, trunk recordings, images), never two: the loop lets go of a
+    step's Rollout before the next train_step starts."""
+    alive_at_start, previous = [], []
+    real_step = train.train_step
+
+    def step_watched(step, run, args, beta):
+        gc.collect()
+        alive_at_start.append([ref() is not None for ref in previous])
+        record, timings, ro = real_step(step, run, args, beta)
+        previous.append(weakref.ref(ro))
+        return record, timings, ro
+
+    monkeypatch.setattr(train, "train_step", step_watched)
+    flags = dict(steps=3, batch_size=2, group_size=2, max_new_tokens=4, eval_size=0, train_size=8)
+    train.main(train_args(output_dir=str(tmp_path / "run"), **flags))
+    assert alive_at_start == [[], [False], [False, False]]
