@@ -32,10 +32,13 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 
-def append_jsonl(path: str | Path, record: dict) -> None:
-    """One line per record, fsynced, so `tail -f` works and a crash loses at most one line. A write that fails
-    (no space left, ...) cuts the file back to its size before the append and raises an OSError naming it."""
-    line = memoryview((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+def append_jsonl(path: str | Path, *records: dict) -> None:
+    """One line per record, in one write and one fsync (a step's rows: one per file per step), so `tail -f`
+    works and a crash loses at most that write. A write that fails (no space left, ...) cuts the file back to
+    its size before the append and raises an OSError naming it."""
+    if not records:
+        return
+    line = memoryview("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     size = os.fstat(fd).st_size
     try:
@@ -177,8 +180,7 @@ class StepLog:
     def step(self, record: dict, timings: dict, completions: list[dict], bad_in_a_row: int) -> None:
         step, total = record["step"], self.total_steps
         for name, rows in (("metrics", [record]), ("timings", [timings]), ("rollouts", completions)):
-            for row in rows:
-                append_jsonl(self.out / f"{name}.jsonl", row)
+            append_jsonl(self.out / f"{name}.jsonl", *rows)
         self.accuracy = record.get("eval/accuracy", self.accuracy)
         if self.tracker is not None:
             self.tracker.log(record, step)

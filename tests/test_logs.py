@@ -2,6 +2,7 @@
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -257,3 +258,16 @@ def test_logs_imports_no_project_module_and_no_tracker_at_import_time():
     everywhere, top_level = imports(ROOT / "logs.py")
     assert not everywhere & {p.stem for p in ROOT.glob("*.py")}
     assert top_level - set(sys.stdlib_module_names) <= {"matplotlib"}
+
+
+def test_a_steps_rows_reach_each_file_in_one_write_and_one_fsync(tmp_path, monkeypatch):
+    """metrics, timings and every completion of a step: one write and one fsync per file, whole lines."""
+    synced = []
+    monkeypatch.setattr(logs.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
+    log = logs.StepLog(tmp_path, None, 0.0, 0, 10, 10, 2, 1.0)  # no progress line at step 1
+    completions = [{"step": 1, "completion": f"row {i}"} for i in range(8)]
+    log.step({"step": 1, "skipped": "", "frac_zero_std_groups": 0.0}, {"step": 1}, completions, 0)
+    names = sorted(Path(path).name for path in synced)
+    assert names == ["metrics.jsonl", "rollouts.jsonl", "timings.jsonl"]
+    lines = (tmp_path / "rollouts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["completion"] for line in lines] == [f"row {i}" for i in range(8)]

@@ -83,7 +83,7 @@ KINDS = {
         "checkpoint-000002",
     ),
     "metrics": ("write", 3, "metrics.jsonl", "metrics.jsonl", "checkpoint-000001"),
-    "rollouts": ("write", 6, "rollouts.jsonl", "rollouts.jsonl", "checkpoint-000001"),  # step 2's 2nd row
+    "rollouts": ("write", 2, "rollouts.jsonl", "rollouts.jsonl", "checkpoint-000001"),  # step 2's rows
 }
 
 
