@@ -6,8 +6,8 @@ Legend: `B` prompts, `G` completions per prompt (the group), `N = B*G` rows; row
 prompt g's group.
 
 Choices:
-- The JSONL files are the record of a run, appended one fsynced line at a time: a crash leaves at most one
-  torn last line, and on --resume checkpoints.trim_jsonl cuts them back to the checkpoint's step.
+- The JSONL files are the record of a run, appended a step at a time (one write, fsynced): a crash leaves at
+  most a torn last line, and on --resume checkpoints.trim_jsonl cuts them back to the checkpoint's step.
 - Rollout records keep floats at full precision (Python's float repr round-trips), so rollouts.jsonl's
   advantages can be recomputed from its rewards exactly; the text, not the digits, dominates the size.
 - The curves are drawn on a matplotlib Figure of its own, never through pyplot (no global state, no display).
@@ -17,6 +17,7 @@ Choices:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import numbers
@@ -34,8 +35,8 @@ from matplotlib.ticker import MaxNLocator
 
 def append_jsonl(path: str | Path, *records: dict) -> None:
     """One line per record, in one write and one fsync (a step's rows: one per file per step), so `tail -f`
-    works and a crash loses at most that write. A write that fails (no space left, ...) cuts the file back to
-    its size before the append and raises an OSError naming it."""
+    works and the file always ends with a whole line: a write that fails (no space left, the folder removed)
+    or a signal between two partial writes cuts the file back to its size before the append."""
     if not records:
         return
     line = memoryview("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
@@ -45,10 +46,14 @@ def append_jsonl(path: str | Path, *records: dict) -> None:
         while line:  # NOTE: os.write may write a part only (a full disk takes what fits)
             line = line[os.write(fd, line) :]
         os.fsync(fd)
-    except OSError as e:
+        if os.fstat(fd).st_nlink == 0:  # its folder was removed: the lines went nowhere
+            raise FileNotFoundError(errno.ENOENT, "the file was removed while being written")
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, size)
-        raise OSError(e.errno, e.strerror, str(path)) from e
+        if isinstance(e, OSError):
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     finally:
         os.close(fd)
 

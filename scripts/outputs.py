@@ -14,13 +14,12 @@ line off, skips the items already written and appends the rest. `<output stem>.s
 decides the results, so that a rerun with other settings is refused instead of mixing two runs in one file.
 Whole files are written beside their path and renamed over it: the old file or the new one, never half.
 
-Imports the standard library and cli.py only.
+Imports the standard library, cli.py and logs.py (its `append_jsonl`) only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import tempfile
@@ -28,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import cli
+import logs
 
 
 def same_or_inside(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -147,24 +147,10 @@ def read_resumable(path: Path, key: str, producer: str) -> list[dict]:
 
 
 def append_line(f, record: dict) -> None:
-    """Append one complete line to the open file `f`, then fsync: a crash tears at most this line. The bytes
-    go to the file descriptor directly, so a write that fails (disk full) is cut back off the file here,
-    never flushed later: the file ends with a whole line whatever happens."""
+    """Append one complete line to the open file `f` (logs.append_jsonl: one write, fsynced, cut back off
+    the file if it fails), after what `f` itself holds unwritten."""
     f.flush()
-    line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-    fd = f.fileno()
-    start = os.lseek(fd, 0, os.SEEK_END)
-    try:
-        written = 0
-        while written < len(line):
-            written += os.write(fd, line[written:])
-        os.fsync(fd)
-        if os.fstat(fd).st_nlink == 0:  # its folder was removed: the lines would go nowhere
-            raise FileNotFoundError(errno.ENOENT, "the file was removed while being written")
-    except BaseException:  # an OSError, or a signal between two partial writes
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, start)
-        raise
+    logs.append_jsonl(f.name, record)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -83,6 +83,8 @@ def test_a_saved_checkpoint_loads_as_plain_data_and_restores_optimizer_and_rng_e
     plain = torch.load(folder / checkpoints.STATE_FILE, map_location="cpu", weights_only=True)
     state = checkpoints.load_checkpoint(folder)
     assert state["step"] == plain["step"] == 7
+    assert (folder / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000007"]  # no temporary folder left
     fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1)
     fresh.load_state_dict(state["optimizer"])
     for index, tensors in opt.state_dict()["state"].items():
