@@ -390,6 +390,7 @@ class ResizeReport:
 
     count: int = 0
     largest: tuple[int, int] | None = None  # (width, height) of the largest such original
+    longest_prompt: int = 0  # tokens, visual ones included: the P that memory estimates take
 
 
 def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
@@ -420,7 +421,7 @@ def check_samples(
     """Fail fast, before any model work: refuse images above `max_image_pixels` before decoding them, decode
     every other one once, and bound every prompt's length (visual tokens from image sizes by the processor's
     own rule, no pixels processed); return the ones it shrinks."""
-    budget, oversized = image_pixel_budget(image_processor), []
+    budget, oversized, longest = image_pixel_budget(image_processor), [], 0
     for sample in samples:
         for image in sample.get("images", []):
             _check_pixel_count(image, sample, max_image_pixels)
@@ -436,7 +437,9 @@ def check_samples(
             if budget is not None and width * height > budget:
                 oversized.append((width, height))
         _check_prompt_length(sample, length, max_prompt_length)
-    return ResizeReport(len(oversized), max(oversized, key=lambda size: size[0] * size[1], default=None))
+        longest = max(longest, length)
+    largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
+    return ResizeReport(len(oversized), largest, longest)
 
 
 def _check_pixel_count(image: str | Image.Image, sample: dict, max_image_pixels: int | None) -> None:

@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -439,14 +439,18 @@ class SpeedConfig:
     trunk_reuse: bool = True
     """Run the frozen trunk (vision tower, first L - K blocks) once per batch without grad (recorded while
     sampling with --shared-prefill), then only the K adapted blocks per pass; else a full forward each."""
-    micro_batch_size: int | None = None
-    """Rows per chunk of the log-prob passes and the backward (gradient accumulation, same loss). None: N."""
+    micro_batch_size: int | Literal["auto"] | None = None
+    """Rows per chunk of the log-prob passes and the backward (gradient accumulation, same loss). auto: the
+    largest whose memory.py estimate fits the device, with checkpointing if needed. None: auto on CUDA, N on
+    the CPU."""
     gradient_checkpointing: bool = False
-    """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
+    """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant).
+    --micro-batch-size auto switches it on when the estimate needs it."""
 
     def check(self) -> None:
-        if self.micro_batch_size is not None and self.micro_batch_size < 1:
-            raise ValueError(f"--micro-batch-size: must be >= 1, got {self.micro_batch_size}")
+        size = self.micro_batch_size
+        if size is not None and size != "auto" and size < 1:
+            raise ValueError(f"--micro-batch-size: must be >= 1 or auto, got {size}")
 
 
 @dataclass

@@ -52,6 +52,7 @@ import grounding
 import grpo
 import logs
 import lora
+import memory
 import model_io
 import rewards
 import speedups
@@ -479,6 +480,57 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins, timeout)
 
 
+def fit_memory(
+    args: Args,
+    model: torch.nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    longest_prompt: int,
+    budget: int | None = None,
+) -> tuple[speedups.SpeedConfig, list[str]]:
+    """The speed settings with --micro-batch-size auto (the default on CUDA) resolved: the largest micro-batch
+    (checkpointing only if needed) whose memory.py estimate fits `budget` (default: the device's); on CUDA or
+    with auto, the lines that print the estimate and the choice. An explicit size is kept as given."""
+    speed = args.speed
+    auto = speed.micro_batch_size == "auto" or (speed.micro_batch_size is None and device.type == "cuda")
+    if not auto and device.type != "cuda":
+        return speed, []
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # the base, adapters aside
+    shapes = dict(
+        rows=args.batch_size * args.group_size,
+        prompt_len=longest_prompt,
+        completion_len=args.sampling.max_new_tokens,
+        last_k=args.lora.lora_last_k,
+        lora_r=args.lora.lora_r,
+        dtype_bytes=dtype.itemsize,
+        trunk_reuse=speed.trunk_reuse,
+        shared_prefill=speed.shared_prefill,
+        group_size=args.group_size,
+        num_params=frozen,
+    )
+    budget = memory.device_budget(device) if budget is None else budget
+    lines, checkpointing = [], speed.gradient_checkpointing
+    if auto:
+        size, checkpointing = memory.choose_micro_batch(
+            model.config, budget_bytes=budget, gradient_checkpointing=checkpointing, **shapes
+        )
+        speed = dataclasses.replace(speed, micro_batch_size=size, gradient_checkpointing=checkpointing)
+        lines.append(
+            f"--micro-batch-size auto: {size} rows, gradient checkpointing {'on' if checkpointing else 'off'}"
+        )
+    phases = memory.estimate(
+        model.config, micro_batch_size=speed.micro_batch_size, gradient_checkpointing=checkpointing, **shapes
+    )
+    N, P, T = shapes["rows"], longest_prompt, shapes["completion_len"]
+    head = f"memory estimate (memory.py) for N={N} rows, P={P}, T={T}, budget {budget / memory.GIB:.1f} GiB:"
+    if phases["peak"] > budget:
+        lines.append(
+            f"warning: the estimated peak, {phases['peak'] / memory.GIB:.1f} GiB, exceeds the budget: lower "
+            "--micro-batch-size, --batch-size, --group-size, --max-new-tokens or the images' size"
+        )
+    return speed, [head, *memory.format_table(phases), *lines]
+
+
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
@@ -503,6 +555,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     lora.inject_lora(model, args.lora)
+    speed, lines = fit_memory(args, model, device, dtype, resized.longest_prompt)
+    print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
     ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
@@ -523,7 +577,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         accuracy_name=accuracy_name,
         box_frame=box_frame,
         sampling=sampling_options(args, tokenizer, model.generation_config),
-        speed=speedups.choose(model, args.speed, last_k=args.lora.lora_last_k),
+        speed=speedups.choose(model, speed, last_k=args.lora.lora_last_k),
         rank=rank,
         world=world,
     )

@@ -275,9 +275,11 @@ def test_check_samples_counts_the_images_the_processor_shrinks_and_names_the_lar
         {"id": f"s{i}", "images": [solid(w, h, (9, 9, 9))], "prompt": "p"} for i, (w, h) in enumerate(sizes)
     ]
     report = data.check_samples(samples, tok, ip, max_prompt_length=None)
-    assert report == data.ResizeReport(count=3, largest=(300, 200))  # at the budget exactly is no resize
+    assert (report.count, report.largest) == (3, (300, 200))  # at the budget exactly is no resize
     # Independent reference: the processor's own output covers fewer pixels exactly for the counted ones.
-    grid = data.prepare_prompts(samples, tok, ip, device="cpu").inputs["image_grid_thw"]  # (images, 3)
+    batch = data.prepare_prompts(samples, tok, ip, device="cpu")
+    grid = batch.inputs["image_grid_thw"]  # (images, 3)
+    assert report.longest_prompt == batch.prompt_length  # the batch is padded to its longest prompt
     kept = (grid[:, 1] * grid[:, 2] * ip.patch_size**2).tolist()
     assert [k < w * h for k, (w, h) in zip(kept, sizes)] == [False, False, True, True, True]
     # The prompt-length bound still counts the resized images' tokens exactly.

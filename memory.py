@@ -1,0 +1,204 @@
+"""The memory a training step needs, estimated from shapes, and the micro-batch that makes it fit a device.
+
+`estimate` adds up, per phase of train.py's step, the bytes alive together:
+- sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, and
+  the recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated;
+- trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the N rows' pixels;
+- logprob_pass: a no-grad pass (reference, old policy): one adapted block's intermediates for a micro-batch,
+  and the fp32 LM head run row by row (`speedups.logprobs_row_by_row`: an fp32 copy of its weight and a few
+  (T, V) fp32 tensors, never an (N, T, V) one);
+- update: what the K adapted blocks save for the backward of one micro-batch (`activations`: counted below
+  from their ops; with checkpointing only each block's input, plus one block recomputed), then the larger of
+  the LM head's and a block's backward working set.
+`peak` is the largest phase. Every count is per token of n micro-batch rows x S = P + T - 1 positions, and
+assumes, as train.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
+decoder, trunk reuse, fused attention (SDPA's flash / memory-efficient kernels, which save q, k, v, the output
+and the log-sum-exp, never the (S, S) scores) and padded prompts (so keys and values are repeated to every
+head for SDPA). Letters as in grpo.py: B prompts, G group size, N = B*G rows, P prompt, T completion length,
+V vocab, K adapted of L blocks, H hidden, I MLP width, r LoRA rank, d the activation dtype's bytes.
+
+`track_peak` measures the same thing on any device: the bytes of the tensors that ops make while it is on.
+"""
+
+import math
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Qwen2.5-VL's public config.json numbers (Qwen/Qwen2.5-VL-{3B,7B}-Instruct), for tables without a download.
+QWEN25_VL = {
+    "3b": dict(
+        text_config=dict(
+            hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2
+        ),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=2048),
+    ),
+    "7b": dict(
+        text_config=dict(
+            hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4
+        ),
+        vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, out_hidden_size=3584),
+    ),
+}
+QWEN25_VL["3b"]["text_config"].update(intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)
+QWEN25_VL["7b"]["text_config"].update(intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+
+GIB = 2**30
+# The share of the device's memory (free + what torch already holds) an estimate may fill: the caching
+# allocator's fragmentation and the estimate's error (within 25% at small shapes) need the rest.
+SAFETY_FRACTION = 0.8
+
+
+def parameter_count(config: Any) -> int:
+    """Base parameters from a Qwen2-style config: embeddings, L blocks, the LM head if untied, and the vision
+    tower (Qwen2.5-VL's layout: SwiGLU blocks, a 2x2 patch merger) when the config has one."""
+    text = config.get_text_config()
+    H, I, L, V = text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.vocab_size
+    kv = text.num_key_value_heads * H // text.num_attention_heads
+    block = H * (2 * H + 2 * kv) + (H + 2 * kv) + 3 * H * I + 2 * H  # q, o, k, v + their biases, MLP, norms
+    tied = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+    count = V * H * (1 if tied else 2) + L * block + H
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        h, i, out = vision.hidden_size, vision.intermediate_size, vision.out_hidden_size
+        patch = 3 * 2 * 14 * 14 * h  # channels x temporal x 14 x 14 pixels per patch
+        merger = 4 * h * 4 * h + 4 * h + 4 * h * out + out + h
+        count += patch + vision.depth * (4 * h * h + 4 * h + 3 * h * i + 2 * i + 3 * h) + merger
+    return count
+
+
+def estimate(
+    config: Any,
+    *,
+    rows: int,
+    prompt_len: int,
+    completion_len: int,
+    last_k: int,
+    lora_r: int,
+    dtype_bytes: int,
+    micro_batch_size: int | None,
+    gradient_checkpointing: bool,
+    trunk_reuse: bool = True,
+    shared_prefill: bool = True,
+    lora_modules: int = 7,
+    group_size: int = 8,
+    num_params: int | None = None,
+    image_tokens: int | None = None,
+) -> dict[str, int]:
+    """Bytes per phase of one step (see the module docstring) and their `peak`; `num_params` defaults to
+    `parameter_count(config)`, `image_tokens` (visual tokens per prompt) to all P with a vision tower."""
+    text = config.get_text_config()
+    H, I, L, V = text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.vocab_size
+    heads, d, f32 = text.num_attention_heads, dtype_bytes, 4
+    hd, kv = H // heads, text.num_key_value_heads * H // heads
+    N, P, T, K, r, n = rows, prompt_len, completion_len, last_k, lora_r, micro_batch_size or rows
+    S = P + T - 1  # the trunk's positions: the last completion token is never fed
+    if image_tokens is None:
+        image_tokens = P if getattr(config, "vision_config", None) is not None else 0
+    weights = (num_params or parameter_count(config)) * d
+    # LoRA's A (r, d_in) and B (d_out, r) on the 7 linears, fp32: weights, gradients, AdamW's two moments.
+    lora = K * r * (2 * H + 2 * H + 2 * (H + kv) + 3 * (H + I)) * lora_modules // 7 * f32 * 4
+    recording = N * S * H * d if trunk_reuse else 0
+    kv_cache = N * (P + T) * L * 2 * kv * d + (N // group_size) * P * L * 2 * kv * d  # + the prompts' own
+    draw = 3 * N * V * f32  # the last logits, their softmax, the sampler's scores
+    sampling = kv_cache + (2 * recording if shared_prefill else 0) + draw
+    # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token.
+    pixels = N * image_tokens * 4 * 3 * 2 * 14 * 14 * f32
+    trunk = recording + N * S * S + 2 * 3 * N * S * hd * d + pixels
+    # Saved per token by one adapted block: the normed input (q/k/v's LoRA A keep it), q and k after RoPE and
+    # v, both repeated to all heads, SDPA's output and its transposed copy (o_proj's input), cos and sin,
+    # the log-sum-exp; the second norm's fp32 copy and output; gate, silu(gate), up and their product (down's
+    # input); each LoRA A's (r) output. Blocks after the first also keep their input norm's fp32 copy.
+    block = d * (7 * H + 2 * hd + 4 * I + lora_modules * r) + f32 * (heads + H)
+    later = f32 * H  # the first block's input comes from the trunk, without grad: its norm keeps nothing
+    head_saved = n * T * (f32 * H + d * H + f32)  # final norm (fp32 copy, output), the LM head's lse
+    if gradient_checkpointing:  # each block's input, and one block recomputed in the backward
+        activations = n * S * ((K - 1) * d * H + block + later) + head_saved
+    else:
+        activations = n * S * (K * block + (K - 1) * later) + head_saved
+    weight32 = V * H * f32 if d < f32 else 0  # speedups._RowByRowLogprobs casts the head's weight once a pass
+    head_pass = weight32 + 3 * T * V * f32 + n * T * H * d  # logits, softmax, entropy or its gradient
+    block_pass = n * S * (d * (3 * I + 6 * H) + f32 * H)  # one block's forward: MLP, attention, norm
+    backward = n * S * d * (I + 3 * H)  # one block's gradients in flight
+    base = weights + lora
+    phases = {
+        "weights": weights,
+        "lora+adam": lora,
+        "sampling": base + sampling,
+        "trunk": base + trunk,
+        "logprob_pass": base + trunk + max(head_pass, block_pass),
+        "activations": activations,
+        "update": base + trunk + activations + max(head_pass, backward),
+    }
+    phases["peak"] = max(phases[k] for k in ("sampling", "logprob_pass", "update"))
+    return phases
+
+
+def choose_micro_batch(config: Any, *, budget_bytes: int, **shapes: Any) -> tuple[int, bool]:
+    """(micro_batch_size, gradient_checkpointing): the largest micro-batch (N, then powers of two below) whose
+    `estimate(config, **shapes)` peak fits the budget without checkpointing, else with it (only with it when
+    `shapes` asks for it); else 1 row with checkpointing, which does not fit: the caller says so."""
+    N = shapes["rows"]
+    sizes = [N] + [2**k for k in range(math.ceil(math.log2(N)) - 1, -1, -1)]
+    for checkpointing in (False, True) if not shapes.get("gradient_checkpointing") else (True,):
+        for size in sizes:
+            options = dict(shapes, micro_batch_size=size, gradient_checkpointing=checkpointing)
+            if estimate(config, **options)["peak"] <= budget_bytes:
+                return size, checkpointing
+    return 1, True
+
+
+def format_table(phases: dict[str, int]) -> list[str]:
+    """`estimate`'s phases as lines: name, GiB (MiB when the peak is below 1 GiB)."""
+    unit, size = ("GiB", GIB) if phases["peak"] >= GIB else ("MiB", 2**20)
+    return [f"  {name:<13} {value / size:8.2f} {unit}" for name, value in phases.items()]
+
+
+def device_budget(device: torch.device) -> int:
+    """SAFETY_FRACTION of what this process can use: on CUDA the free memory plus torch's own reserve (the
+    weights already loaded), on the CPU the physical memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(SAFETY_FRACTION * (free + torch.cuda.memory_reserved(device)))
+    import os
+
+    return int(SAFETY_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts each storage an op returns (not views, in-place results) until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):  # a view or an in-place op
+            return out
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key not in self.seen and storage.nbytes():
+                    self.seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+@contextmanager
+def track_peak() -> Iterator[_StorageCounter]:
+    """Inside: `.live` bytes of the tensors made since entering and their `.peak` (set `.peak = .live` to
+    start a phase). Tensors made before are not counted; slow (every op passes through Python)."""
+    with _StorageCounter() as counter:
+        yield counter
