@@ -1,0 +1,194 @@
+"""memory.py: the estimate against the measured live tensors of a real step, the micro-batch it chooses, and
+--micro-batch-size auto through train.py."""
+
+import copy
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import train_args
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+import lora
+import memory
+import model_io
+import speedups
+import tasks
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+README_SHAPES = dict(rows=64, prompt_len=1200, completion_len=256, last_k=4, lora_r=16, dtype_bytes=2)
+
+
+def random_vlm(hidden: int, layers: int, vocab: int, dtype: torch.dtype):
+    """A random Qwen2.5-VL, larger than the embedded one, with its tokenizer and image processor."""
+    base, tokenizer, image_processor = model_io.load_model(
+        model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
+    )
+    config = copy.deepcopy(base.config)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = hidden, 3 * hidden, layers
+    text.num_attention_heads, text.num_key_value_heads, text.vocab_size = hidden // 64, hidden // 128, vocab
+    text.layer_types = ["full_attention"] * layers
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=[8, 12, 12])  # head_dim 64
+    config.vision_config.out_hidden_size = hidden
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval().requires_grad_(False).to(dtype)
+    return model, tokenizer, image_processor
+
+
+def measured_step(model, tokenizer, image_processor, args) -> tuple[dict[str, int], dict]:
+    """One training step through train.py's functions, the bytes of the tensors it makes tracked phase by
+    phase (the weights exist before); also the step's shapes."""
+    lora.inject_lora(model, args.lora)
+    run = train.Run(
+        model=model, tokenizer=tokenizer, image_processor=image_processor, device=torch.device("cpu")
+    )
+    run.optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-3)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
+    run.sampling = train.sampling_options(args, tokenizer)
+    run.speed = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
+    run.reward_fns = train.resolve_rewards(args, "inspection")
+    run.accuracy_name = run.reward_fns[0].name
+    prompts = tasks.make_task("inspection", args.batch_size, seed=0)
+    with memory.track_peak() as counter:
+        ro = train.rollout(run, prompts, args)
+        measured = {"sampling": counter.peak, "trunk": counter.live}
+        counter.peak = counter.live
+        train.frozen_logprobs(run, ro, args)
+        measured["logprob_pass"], counter.peak = counter.peak, counter.live
+        train.policy_update(run, ro, args, args.loss.beta)
+        measured["update"] = counter.peak
+    image_tokens = ro.inputs["mm_token_type_ids"].sum().item() / ro.inputs["input_ids"].shape[0]
+    N, P = ro.inputs["input_ids"].shape
+    shapes = dict(rows=N, prompt_len=P, completion_len=ro.completion_ids.shape[1], image_tokens=image_tokens)
+    return measured, shapes
+
+
+@pytest.mark.parametrize(
+    "dtype, micro_batch_size, checkpointing",
+    [
+        (torch.float32, None, False),
+        (torch.bfloat16, None, False),
+        (torch.float32, 4, False),
+        (torch.bfloat16, None, True),
+    ],
+)
+def test_the_estimate_is_within_25_percent_of_a_steps_measured_memory(dtype, micro_batch_size, checkpointing):
+    model, tokenizer, image_processor = random_vlm(hidden=256, layers=4, vocab=4096, dtype=dtype)
+    flags = dict(micro_batch_size=micro_batch_size, gradient_checkpointing=checkpointing)
+    args = train_args(batch_size=4, group_size=4, max_new_tokens=32, lora_last_k=2, beta=0.04, **flags)
+    args.num_iterations = 2  # the old policy's pass too
+    measured, shapes = measured_step(model, tokenizer, image_processor, args)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    estimated = memory.estimate(
+        model.config,
+        **shapes,
+        last_k=2,
+        lora_r=8,
+        dtype_bytes=dtype.itemsize,
+        group_size=4,
+        num_params=frozen,
+        micro_batch_size=micro_batch_size,
+        gradient_checkpointing=checkpointing,
+    )
+    made_before = estimated["weights"] + estimated["lora+adam"]  # the step's tensors only
+    for phase in ("sampling", "logprob_pass", "update"):
+        ratio = (estimated[phase] - made_before) / measured[phase]
+        print(f"{dtype} {micro_batch_size} {checkpointing} {phase}: {ratio:.2f}", measured[phase])
+        assert 0.75 <= ratio <= 1.25, (phase, ratio)
+
+
+def test_the_parameter_count_from_the_3b_and_7b_configs_is_the_models():
+    for numbers in memory.QWEN25_VL.values():
+        config = Qwen2_5_VLConfig(**numbers)
+        with torch.device("meta"):
+            model = Qwen2_5_VLForConditionalGeneration(config)
+        assert memory.parameter_count(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_auto_takes_the_largest_micro_batch_that_fits_then_checkpointing_then_one_row():
+    config = Qwen2_5_VLConfig(**memory.QWEN25_VL["7b"])
+
+    def peak(size: int, checkpointing: bool) -> int:
+        options = dict(micro_batch_size=size, gradient_checkpointing=checkpointing)
+        return memory.estimate(config, **README_SHAPES, **options)["peak"]
+
+    def choose(budget: int, **options) -> tuple[int, bool]:
+        return memory.choose_micro_batch(config, budget_bytes=budget, **README_SHAPES, **options)
+
+    assert peak(64, False) > peak(32, False) > peak(32, True)  # the estimate grows with what is kept
+    assert choose(peak(64, False)) == (64, False)
+    assert choose(peak(64, False) - 1) == (32, False)
+    budget = peak(1, False) - 1  # checkpointing comes before a micro-batch of fewer rows than 1
+    assert choose(budget) == (max(s for s in (1, 2, 4, 8, 16, 32, 64) if peak(s, True) <= budget), True)
+    assert choose(peak(32, False), gradient_checkpointing=True) == (64, True)  # asked for: kept
+    assert choose(peak(1, True) - 1) == (1, True)  # nothing fits: the smallest, and train.py warns
+
+
+def test_the_readme_gpu_commands_fit_an_80_gb_gpu_by_the_estimate_and_the_readme_shows_the_table():
+    budget = int(79.1 * memory.SAFETY_FRACTION * memory.GIB)
+    for numbers in memory.QWEN25_VL.values():
+        config = Qwen2_5_VLConfig(**numbers)
+        size, checkpointing = memory.choose_micro_batch(config, budget_bytes=budget, **README_SHAPES)
+        options = dict(micro_batch_size=size, gradient_checkpointing=checkpointing)
+        assert memory.estimate(config, **README_SHAPES, **options)["peak"] <= budget
+    table = subprocess.run(
+        [sys.executable, "scripts/memory_table.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    readme = (ROOT / "README.md").read_text()
+    assert all(line in readme for line in table.splitlines()[1:]), table
+
+
+def test_on_cuda_the_default_micro_batch_is_chosen_to_fit_and_an_explicit_one_wins(tiny_model):
+    model = tiny_model
+    cuda = torch.device("cuda")  # a stand-in: with a budget given, fit_memory asks the device nothing
+    args = train_args(batch_size=4, group_size=4, max_new_tokens=16)
+    speed, lines = train.fit_memory(args, model, torch.device("cpu"), torch.float32, 60)
+    assert speed == args.speed and lines == []  # the CPU's default: all N rows, nothing printed
+    speed, lines = train.fit_memory(args, model, cuda, torch.float32, 60, budget=2**40)
+    assert (speed.micro_batch_size, speed.gradient_checkpointing) == (16, False)
+    assert "--micro-batch-size auto: 16 rows, gradient checkpointing off" in lines
+    shapes = dict(rows=16, prompt_len=60, completion_len=16, last_k=4, lora_r=8, dtype_bytes=4, group_size=4)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    tight = memory.estimate(
+        model.config, **shapes, num_params=frozen, micro_batch_size=2, gradient_checkpointing=True
+    )
+    speed, lines = train.fit_memory(args, model, cuda, torch.float32, 60, budget=tight["peak"])
+    assert speed.gradient_checkpointing and speed.micro_batch_size in (2, 4, 8, 16)
+    explicit = dataclasses.replace(args, speed=dataclasses.replace(args.speed, micro_batch_size=2))
+    speed, lines = train.fit_memory(explicit, model, cuda, torch.float32, 60, budget=1)
+    assert (speed.micro_batch_size, speed.gradient_checkpointing) == (2, False)
+    assert any(line.startswith("warning: the estimated peak") for line in lines)
+
+
+@pytest.fixture
+def tiny_model():
+    model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    lora.inject_lora(model, lora.LoRAConfig())
+    return model
+
+
+def test_micro_batch_size_auto_prints_its_choice_and_a_resume_may_change_it(tmp_path):
+    out = tmp_path / "run"
+    tiny = ["--batch-size", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "1000"]
+    command = [sys.executable, "train.py", *tiny, "--output-dir", str(out)]
+    first = subprocess.run(
+        [*command, "--steps", "1", "--micro-batch-size", "auto"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "memory estimate (memory.py) for N=4 rows" in first.stdout
+    assert "--micro-batch-size auto: 4 rows, gradient checkpointing off" in first.stdout
+    assert json.loads((out / "run.json").read_text())["args"]["speed"]["micro_batch_size"] == "auto"
+    resume = [sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--micro-batch-size", "1"]
+    second = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert second.returncode == 0, second.stderr
+    assert "memory estimate" not in second.stdout  # an explicit size, on the CPU: nothing to choose or print
