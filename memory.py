@@ -14,13 +14,16 @@
 assumes, as train.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
 decoder, trunk reuse, fused attention (SDPA's flash / memory-efficient kernels, which save q, k, v, the output
 and the log-sum-exp, never the (S, S) scores) and padded prompts (so keys and values are repeated to every
-head for SDPA). Letters as in grpo.py: B prompts, G group size, N = B*G rows, P prompt, T completion length,
-V vocab, K adapted of L blocks, H hidden, I MLP width, r LoRA rank, d the activation dtype's bytes.
+head for SDPA; eager attention would keep the (S, S) scores too). The plain path (no shared prefill, no trunk
+reuse) is counted with generate's cache and the (n, T, V) logits it makes. Letters as in grpo.py: B prompts,
+G group size, N = B*G rows, P prompt, T completion length, V vocab, K adapted of L blocks, H hidden, I MLP
+width, r LoRA rank, d the activation dtype's bytes.
 
 `track_peak` measures the same thing on any device: the bytes of the tensors that ops make while it is on.
 """
 
 import math
+import os
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,15 +103,18 @@ def estimate(
     if image_tokens is None:
         image_tokens = P if getattr(config, "vision_config", None) is not None else 0
     weights = (num_params or parameter_count(config)) * d
-    # LoRA's A (r, d_in) and B (d_out, r) on the 7 linears, fp32: weights, gradients, AdamW's two moments.
+    # LoRA's A (r, d_in) and B (d_out, r) on q, o, k, v, gate, up, down (scaled to `lora_modules` of them),
+    # fp32: weights, gradients, AdamW's two moments.
     lora = K * r * (2 * H + 2 * H + 2 * (H + kv) + 3 * (H + I)) * lora_modules // 7 * f32 * 4
     recording = N * S * H * d if trunk_reuse else 0
     kv_cache = N * (P + T) * L * 2 * kv * d + (N // group_size) * P * L * 2 * kv * d  # + the prompts' own
     draw = 3 * N * V * f32  # the last logits, their softmax, the sampler's scores
-    sampling = kv_cache + (2 * recording if shared_prefill else 0) + draw
+    sampling = kv_cache + 2 * recording + draw
+    if not shared_prefill:  # generate: all N rows prefilled, a cache grown by concatenation (old and new)
+        sampling = 2 * kv_cache + N * P * 3 * I * d + draw
     # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token.
     pixels = N * image_tokens * 4 * 3 * 2 * 14 * 14 * f32
-    trunk = recording + N * S * S + 2 * 3 * N * S * hd * d + pixels
+    trunk = recording + (N * S * S + 2 * 3 * N * S * hd * d if trunk_reuse else 0) + pixels
     # Saved per token by one adapted block: the normed input (q/k/v's LoRA A keep it), q and k after RoPE and
     # v, both repeated to all heads, SDPA's output and its transposed copy (o_proj's input), cos and sin,
     # the log-sum-exp; the second norm's fp32 copy and output; gate, silu(gate), up and their product (down's
@@ -121,7 +127,11 @@ def estimate(
     else:
         activations = n * S * (K * block + (K - 1) * later) + head_saved
     weight32 = V * H * f32 if d < f32 else 0  # speedups._RowByRowLogprobs casts the head's weight once a pass
-    head_pass = weight32 + 3 * T * V * f32 + n * T * H * d  # logits, softmax, entropy or its gradient
+    # Logits, softmax, entropy or their gradient: one row's (T, V) at a time; without trunk reuse
+    # grpo.completion_logprobs makes all n rows' at once, and keeps two such tensors for the backward.
+    logits = 3 * (1 if trunk_reuse else n) * T * V * f32
+    activations += 0 if trunk_reuse else 2 * n * T * V * f32
+    head_pass = weight32 + logits + n * T * H * d
     block_pass = n * S * (d * (3 * I + 6 * H) + f32 * H)  # one block's forward: MLP, attention, norm
     backward = n * S * d * (I + 3 * H)  # one block's gradients in flight
     base = weights + lora
@@ -164,8 +174,6 @@ def device_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(SAFETY_FRACTION * (free + torch.cuda.memory_reserved(device)))
-    import os
-
     return int(SAFETY_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
