@@ -117,9 +117,10 @@ VARIANTS = {
     "sapo": (dict(loss_type="sapo"), {}),
     "rloo": ({}, dict(adv_baseline="rloo", adv_scale="none")),
 }
-# The step's other paths, with the default loss: (SpeedConfig settings, num_iterations).
+# The step's other paths, with the default loss: (SpeedConfig settings over the run's, num_iterations).
+# NOTE: the plain path never checkpoints here: transformers' checkpointing, once on, stays on for the model.
 PATHS = {
-    "plain path": (dict(shared_prefill=False, trunk_reuse=False), 1),
+    "plain path": (dict(shared_prefill=False, trunk_reuse=False, gradient_checkpointing=False), 1),
     "micro-batches of 2 rows, checkpointing": (dict(micro_batch_size=2, gradient_checkpointing=True), 1),
     "num_iterations 2": ({}, 2),
 }
@@ -390,20 +391,20 @@ def check_step(
     return ok, f"loss {value:.4g}, grad norm {grad_norm:.3g}, {where}"
 
 
-def phase_clock(cuda: bool) -> tuple[Callable, dict[str, float], dict[str, int]]:
+def phase_clock(device: torch.device) -> tuple[Callable, dict[str, float], dict[str, int]]:
     """(phase context manager, ms per phase, peak allocated bytes per phase: CUDA only, reset per phase)."""
-    ms, peak = {}, {}
+    ms, peak, cuda = {}, {}, device.type == "cuda"
 
     @contextmanager
     def phase(name: str):
         if cuda:  # the host only queues kernels: charge each phase with its own
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         yield
         if cuda:
-            torch.cuda.synchronize()
-            peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated())
+            torch.cuda.synchronize(device)
+            peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device))
         ms[name] = ms.get(name, 0.0) + 1000 * (time.perf_counter() - start)
 
     return phase, ms, peak
@@ -412,8 +413,7 @@ def phase_clock(cuda: bool) -> tuple[Callable, dict[str, float], dict[str, int]]
 def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str]:
     import memory  # memory.py: the estimate from the shapes
 
-    cuda = s.device.type == "cuda"
-    phase, ms, peak = phase_clock(cuda)
+    phase, ms, peak = phase_clock(s.device)
     plan = speedups.choose(model, s.speed, last_k=s.lora.lora_last_k)
     torch.manual_seed(s.seed)
     gpu_step(model, optimizer, s, plan, grpo.LossConfig(), grpo.AdvantageConfig(), phase=phase)
@@ -433,7 +433,7 @@ def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str
     )
     print_table(ms, peak, estimate)
     step_ms = sum(ms.values())
-    if not cuda:
+    if s.device.type != "cuda":
         return True, f"step {step_ms:.0f} ms; memory n/a (CPU)"
     measured, predicted = max(peak.values()), estimate["peak"]
     ok = abs(measured / predicted - 1) <= 0.25
@@ -491,9 +491,8 @@ def check_cuda_graph(model: torch.nn.Module, s: Setup) -> tuple[bool | None, str
     for graph in (False, True):
         plan = speedups.choose(model, speedups.SpeedConfig(cuda_graph=graph), last_k=s.lora.lora_last_k)
         torch.manual_seed(s.seed)
-        tokens.append(
-            speedups.sample(model, s.prompts.inputs, plan, group_size=s.group_size, **s.sampling)[0]
-        )
+        options = dict(group_size=s.group_size, record=False, **s.sampling)
+        tokens.append(speedups.sample(model, s.prompts.inputs, plan, **options)[0])
     same = int((tokens[0] == tokens[1]).all(dim=1).sum()) if tokens[0].shape == tokens[1].shape else 0
     return same == tokens[0].shape[0], f"equal tokens for {same} of {tokens[0].shape[0]} rows"
 
