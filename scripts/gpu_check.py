@@ -137,6 +137,8 @@ ESTIMATE_KEYS = {
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--lora-r`, not `--lora.lora-r`
 @dataclass
 class Args:
+    """Every part of a GRPO step at a real model's shapes, random weights, each against its reference."""
+
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     shapes: Literal["auto", "3b", "7b", "tiny"] = "auto"
@@ -536,6 +538,9 @@ def main(args: Args) -> None:
     name = args.shapes if args.shapes != "auto" else "3b" if device.type == "cuda" else "tiny"
     flags = dict(batch_size=args.batch_size, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
     workload = WORKLOADS[name] | {key: value for key, value in flags.items() if value is not None}
+    layers = SHAPES[name][0]["num_hidden_layers"]
+    too_many = f"must be <= the {layers} blocks of {name}, got {args.lora.lora_last_k}"
+    cli.check(args.lora.lora_last_k <= layers, "--lora-last-k", too_many)
     # cuBLAS reads its workspace setting once, when it starts: set now for check 6, which alone runs with
     # deterministic algorithms on (the others time and test the default mode).
     distributed.use_deterministic_algorithms()

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--shapes", "tiny"]
 CHECKS = [
@@ -74,8 +76,15 @@ def test_a_wrong_figure_or_an_exception_fails_only_its_own_checks_and_the_script
     assert f"3 of {len(CHECKS) + 1} checks failed" in result.stdout
 
 
-def test_a_bad_flag_exits_2_naming_it_before_any_model_is_built():
-    result = gpu_check(args=[*TINY, "--group-size", "1"])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--group-size", "1", "must be >= 2, got 1"),
+        ("--lora-last-k", "7", "must be <= the 6 blocks of tiny, got 7"),
+    ],
+)
+def test_a_bad_flag_exits_2_naming_it_before_any_model_is_built(flag, value, message):
+    result = gpu_check(args=[*TINY, flag, value])
     assert result.returncode == 2, result.stdout + result.stderr[-3000:]
-    assert result.stderr.strip() == "error: --group-size: must be >= 2, got 1"
+    assert result.stderr.strip() == f"error: {flag}: {message}"
     assert result.stdout == ""
