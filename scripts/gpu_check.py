@@ -376,7 +376,9 @@ def check_trunk(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
             error = float((full - full_logprobs(model, s, ids)).abs().max())  # this dtype's own rounding
         bound, why = max(4 * error, bound), f"4 x the full forward's own error against fp32, {error:.1e}"
     diff = float((from_trunk - full).abs().max())
-    return diff <= bound, f"max |logp difference| {diff:.1e} <= {bound:.1e} ({why}), K = {s.lora.lora_last_k}"
+    within = diff <= bound
+    figure = f"max |logp difference| {diff:.1e} {'<=' if within else '>'} {bound:.1e} ({why})"
+    return within, f"{figure}, K = {s.lora.lora_last_k}"
 
 
 def check_step(
