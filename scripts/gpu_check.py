@@ -549,10 +549,8 @@ def main(args: Args) -> None:
     torch.use_deterministic_algorithms(False)
     model = random_model(name, device, dtype, args.seed)
     prompts = random_prompts(model.config, workload, device, args.seed)
-    G, sampling = (
-        workload["group_size"],
-        sampling_options(model.config, workload["max_new_tokens"], args.top_p),
-    )
+    G = workload["group_size"]
+    sampling = sampling_options(model.config, workload["max_new_tokens"], args.top_p)
     speed = speedups.SpeedConfig(
         micro_batch_size=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing
     )
@@ -573,8 +571,8 @@ def main(args: Args) -> None:
     torch.manual_seed(args.seed)  # LoRA's A
     lora.inject_lora(model, args.lora)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
-    steps = {name: (loss, adv, {}, 1) for name, (loss, adv) in VARIANTS.items()}
-    steps |= {name: ({}, {}, speed, mu) for name, (speed, mu) in PATHS.items()}
+    steps = {label: (loss, adv, {}, 1) for label, (loss, adv) in VARIANTS.items()}
+    steps |= {label: ({}, {}, overrides, mu) for label, (overrides, mu) in PATHS.items()}
     for label, settings in steps.items():
         results.append(
             run_check(f"4 step, {label}", functools.partial(check_step, model, optimizer, s, *settings))
