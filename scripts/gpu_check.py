@@ -1,0 +1,592 @@
+"""The first hour on a GPU: every part of a GRPO step at a real model's shapes, each against its reference.
+
+    python scripts/gpu_check.py                             # CUDA: random Qwen2.5-VL-3B, bf16, B = 8 x G = 8
+    python scripts/gpu_check.py --shapes 7b --micro-batch-size 8 --gradient-checkpointing
+    python scripts/gpu_check.py --device cpu --shapes tiny  # a few-MB model in fp32, seconds (the test suite)
+
+Random weights in the public config.json's shapes (nothing downloaded) and no tokenizer: a prompt is token ids
+written directly (random text around an image's <|vision_start|>, placeholders and <|vision_end|>) with random
+pixels; rewards are seeded random numbers. Each check prints one line, PASS / FAIL / SKIP and its figure; an
+exception fails its own check only (traceback on stderr) and the next one runs; exit status 1 if any failed.
+
+1. sampler: `speedups.sample_shared_prefill` draws the same tokens as generate (`grpo.sample_completions`)
+   for the same seed: every row, in fp32 (the parameters are cast to fp32 and back, exact from bf16). The
+   line also counts the equal rows in the run's dtype, where rounding (another batch shape in the prefill,
+   another cache layout) may make a row drift after some token: not a failure.
+2. left padding: `grpo.completion_logprobs` of prompts of different lengths, left-padded, is finite.
+3. recorded trunk: log-probs from what sampling recorded (`speedups.trunk_logprobs`) against a full forward
+   (`grpo.completion_logprobs`). The bound: two bf16 computations of one value differ by at most the sum of
+   their errors, each taken as the full forward's measured error against fp32, doubled as a margin: 4x that
+   error. In fp32, 1e-4 (10x what the tests measure at tiny shapes).
+4. one step of each loss variant (docs/variants.md's flag sets; dynamic sampling is a rollout rule, no loss)
+   and of the plain, micro-batched and mu = 2 paths: a finite loss, finite non-zero gradients, LoRA's only.
+5. phases: time (between torch.cuda.synchronize() calls) and peak allocated memory (reset per phase) of one
+   default step, beside `memory.estimate`; on CUDA it passes if the step's peak is within 25% of the estimate.
+6. determinism: the same step twice from the same state (seed, LoRA weights, AdamW's moments) under
+   --deterministic's settings (`distributed.use_deterministic_algorithms`): bit-identical loss and weights.
+7. CUDA graph: the sampler's decoding step replayed as a CUDA graph draws the tokens it draws eagerly.
+
+Checks 1-3 run on the base model, before LoRA is injected (its adapters start as the identity anyway).
+No GPU has run this script yet: its first run on one is its first test.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+import torch
+import tyro
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cli
+import data
+import distributed
+import grpo
+import lora
+import model_io
+import speedups
+
+# Qwen2.5-VL's public config.json (Qwen/Qwen2.5-VL-3B-Instruct, -7B-Instruct), and a tiny model of the kind:
+# name -> (text config, vision config, first special id). mrope_section: head_dim / 2 split over (t, h, w).
+QWEN_ROPE = dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])
+QWEN_VISION = dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, window_size=112)
+SHAPES = {
+    "3b": (
+        dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2)
+        | dict(intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)
+        | dict(rope_parameters=QWEN_ROPE),
+        QWEN_VISION | dict(out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31]),
+        151643,
+    ),
+    "7b": (
+        dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
+        | dict(intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+        | dict(rope_parameters=QWEN_ROPE),
+        QWEN_VISION | dict(out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31]),
+        151643,
+    ),
+    "tiny": (
+        dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+        | dict(intermediate_size=128, vocab_size=512, tie_word_embeddings=True)
+        | dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, mrope_section=[2, 3, 3])),
+        dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, window_size=56)
+        | dict(out_hidden_size=64, fullatt_block_indexes=[1]),
+        480,
+    ),
+}
+# Special ids as Qwen's tokenizer numbers them, from the first, <|endoftext|> (padding, and an end of turn):
+# <|im_end|> (the other end of turn), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>. Of the
+# 22, a completion may hold only the two ends of turn.
+IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 2, 9, 10, 12, 13
+NUM_SPECIALS = 22
+# B, G, T, an image of side x side patches and the longest prompt's text tokens (the others have fewer, so
+# they are left-padded). 3b/7b: docs/speed.md's "On paper" batch, 448-px images (256 placeholders), P ~ 360.
+WORKLOADS = {
+    "3b": dict(batch_size=8, group_size=8, max_new_tokens=256, image_side=32, text_tokens=100),
+    "7b": dict(batch_size=8, group_size=8, max_new_tokens=256, image_side=32, text_tokens=100),
+    "tiny": dict(batch_size=2, group_size=3, max_new_tokens=8, image_side=4, text_tokens=8),
+}
+PATCH_DIM = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+
+# docs/variants.md's flag sets: (LossConfig settings, AdvantageConfig settings).
+VARIANTS = {
+    "dapo": ({}, {}),
+    "grpo": (dict(loss_type="grpo"), {}),
+    "dr_grpo": (dict(loss_type="dr_grpo"), dict(adv_scale="none")),
+    "gspo": (
+        dict(loss_type="grpo", importance_sampling_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4),
+        {},
+    ),
+    "cispo": (dict(loss_type="cispo", clip_eps_high=4.0), {}),
+    "sapo": (dict(loss_type="sapo"), {}),
+    "rloo": ({}, dict(adv_baseline="rloo", adv_scale="none")),
+}
+# The step's other paths, with the default loss: (SpeedConfig settings over the run's, num_iterations).
+# NOTE: the plain path never checkpoints here: transformers' checkpointing, once on, stays on for the model.
+PATHS = {
+    "plain path": (dict(shared_prefill=False, trunk_reuse=False, gradient_checkpointing=False), 1),
+    "micro-batches of 2 rows, checkpointing": (dict(micro_batch_size=2, gradient_checkpointing=True), 1),
+    "num_iterations 2": ({}, 2),
+}
+# Each phase of a step, and the memory.estimate entry printed beside it.
+ESTIMATE_KEYS = {
+    "sampling": "sampling",
+    "trunk": "trunk",
+    "reference/old": "logprob_pass",
+    "policy fwd+bwd": "activations",
+    "optimizer": "lora+adam",
+}
+
+
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--lora-r`, not `--lora.lora-r`
+@dataclass
+class Args:
+    """Every part of a GRPO step at a real model's shapes, random weights, each against its reference."""
+
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
+    shapes: Literal["auto", "3b", "7b", "tiny"] = "auto"
+    """Qwen2.5-VL-3B's or -7B's shapes, or a tiny model; 'auto': 3b on CUDA, tiny on the CPU."""
+    dtype: str = "auto"
+    """'auto' (bf16 on CUDA, fp32 on CPU), 'float32' or 'bfloat16'."""
+    batch_size: int | None = None
+    """B prompts, one image each. Default: 8 (3b, 7b), 2 (tiny)."""
+    group_size: int | None = None
+    """G completions per prompt. Default: 8 (3b, 7b), 3 (tiny)."""
+    max_new_tokens: int | None = None
+    """T, the completion length (random weights rarely end a row early). Default: 256 (3b, 7b), 8 (tiny)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0: off), as train.py's --top-p."""
+    micro_batch_size: int | None = None
+    """Rows per chunk of the log-prob passes and the backward in the default step (None: all N)."""
+    gradient_checkpointing: bool = False
+    """Checkpoint the adapted blocks in the default step."""
+    seed: int = 0
+    """Seeds the weights, the prompts, LoRA, sampling and the rewards."""
+    lora: lora.LoRAConfig = field(default_factory=lora.LoRAConfig)
+    """LoRA (lora.py): the last K blocks, rank r."""
+
+
+@dataclass
+class Setup:
+    """What the checks share: the prompts, the sampler's options, the default step's settings."""
+
+    prompts: data.PromptBatch  # B prompts, left-padded
+    rows: dict[str, torch.Tensor]  # the N = B*G rows' inputs, each prompt's images with it
+    sampling: dict  # the samplers' keyword arguments
+    group_size: int
+    dtype: torch.dtype
+    seed: int
+    lora: lora.LoRAConfig
+    speed: speedups.SpeedConfig  # the default step's
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows["input_ids"].device
+
+
+# --- the model, its prompts, the step -----------------------------------------------------------------------
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """A Qwen2.5-VL of `name`'s shapes with random weights, made on `device` in `dtype`, frozen."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text, vision, first = SHAPES[name]
+    ids = dict(bos_token_id=first, eos_token_id=first + IM_END, pad_token_id=first)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(text, rms_norm_eps=1e-6, max_position_embeddings=128000, **ids),
+        vision_config=dict(vision, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        vision_start_token_id=first + VISION_START,
+        vision_end_token_id=first + VISION_END,
+        image_token_id=first + IMAGE_PAD,
+        video_token_id=first + VIDEO_PAD,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **ids,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it runs: a 3B random init on the CPU is slow
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def random_prompts(config, workload: dict, device: torch.device, seed: int) -> data.PromptBatch:
+    """B prompts of token ids, left-padded: text, <|vision_start|>, an image's placeholders, <|vision_end|>,
+    text; prompt b has fewer text tokens than prompt b - 1, so every prompt but the first is padded."""
+    B, side, longest = workload["batch_size"], workload["image_side"], workload["text_tokens"]
+    gen = torch.Generator().manual_seed(seed)
+    placeholders = [config.image_token_id] * (side // 2) ** 2  # one per 2 x 2 patches (the merger)
+    image = [config.vision_start_token_id, *placeholders, config.vision_end_token_id]
+    prompts = []
+    for b in range(B):
+        n = max(longest - b * longest // (2 * B), 2)  # from `longest` down to about half of it
+        text = torch.randint(0, config.pad_token_id, (n,), generator=gen).tolist()  # below the special ids
+        prompts.append(text[: n // 4] + image + text[n // 4 :])
+    P = max(map(len, prompts))
+    input_ids = torch.full((B, P), config.pad_token_id)  # (B, P)
+    attention_mask = torch.zeros(B, P, dtype=torch.long)  # (B, P)
+    for b, ids in enumerate(prompts):  # LEFT padding
+        input_ids[b, P - len(ids) :], attention_mask[b, P - len(ids) :] = torch.tensor(ids), 1
+    inputs = dict(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mm_token_type_ids=(input_ids == config.image_token_id).long(),  # (B, P) 1 on the placeholders
+        pixel_values=torch.randn(B * side * side, PATCH_DIM, generator=gen),  # (patches, C*2*14*14)
+        image_grid_thw=torch.tensor([[1, side, side]] * B),  # (images, 3): t, h, w in patches
+    )
+    return data.PromptBatch({k: v.to(device) for k, v in inputs.items()}, images_per_row=[1] * B)
+
+
+def sampling_options(config, max_new_tokens: int, top_p: float) -> dict:
+    """train.py's sampler options at temperature 1: the two ends of turn, no other special token."""
+    first = config.pad_token_id
+    ends = [first, first + IM_END]
+    suppress = [t for t in range(first, first + NUM_SPECIALS) if t not in ends]
+    options = dict(max_new_tokens=max_new_tokens, temperature=1.0, top_p=top_p, eos_token_id=ends)
+    return options | dict(pad_token_id=first, suppress_token_ids=suppress)
+
+
+def untimed(name: str):
+    return nullcontext()
+
+
+def gpu_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    s: Setup,
+    plan: speedups.Plan,
+    loss_config: grpo.LossConfig,
+    adv_config: grpo.AdvantageConfig,
+    *,
+    num_iterations: int = 1,
+    phase: Callable = untimed,
+) -> tuple[float, float]:
+    """One GRPO step as train.py's `train_step` takes it, with random rewards: sample -> mask -> advantages
+    -> old and reference log-probs -> logp with grad, loss, backward -> clip, AdamW. (loss, grad norm)."""
+    G, T, options = s.group_size, s.sampling["max_new_tokens"], dict(temperature=s.sampling["temperature"])
+    model.eval()
+    with phase("sampling"):
+        ids, recording = speedups.sample(model, s.prompts.inputs, plan, group_size=G, **s.sampling)  # (N, T)
+    mask, _ = grpo.completion_mask(ids, s.sampling["eos_token_id"])  # (N, T)
+    reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(s.seed)).to(s.device)  # (N,)
+    adv = grpo.advantages(reward, None, None, G, adv_config)  # (N,)
+    with phase("trunk"):
+        chunks = speedups.row_chunks(model, s.rows, ids, recording, plan)
+    with phase("reference/old"), torch.no_grad():
+        old_logp = ref_logp = None
+        if num_iterations > 1:
+            old_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
+        if loss_config.beta > 0:
+            with lora.adapters_disabled(model):
+                ref_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
+    totals = grpo.BatchTotals(ids.shape[0], mask.sum().clamp(min=1), T)
+    model.train()
+    for _ in range(num_iterations):
+        with phase("policy fwd+bwd"):
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for c in chunks:
+                logp, _ = speedups.chunk_logprobs(model, c, plan, **options)  # (n, T) with grad
+                old = old_logp[c.rows] if old_logp is not None else logp.detach()  # mu = 1: ratio 1
+                ref = ref_logp[c.rows] if ref_logp is not None else None
+                loss, _ = grpo.grpo_loss(
+                    logp, old, ref, adv[c.rows], mask[c.rows], loss_config, totals=totals
+                )
+                loss.backward()
+                loss_sum += loss.item()
+        with phase("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(lora.lora_parameters(model), 1.0)
+            optimizer.step()
+    model.eval()
+    return loss_sum, float(grad_norm)
+
+
+# --- the checks: each returns (True / False / None for skipped, its figure) ---------------------------------
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The parameters only: the rotary frequencies, buffers, stay in fp32 as they were made."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+@contextmanager
+def in_fp32(model: torch.nn.Module, dtype: torch.dtype):
+    cast_parameters(model, torch.float32)
+    try:
+        yield
+    finally:
+        cast_parameters(model, dtype)
+
+
+def ours(model: torch.nn.Module, s: Setup, **options) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """speedups.sample_shared_prefill's completions (N, T) [and recording] of the seed."""
+    torch.manual_seed(s.seed)
+    return speedups.sample_shared_prefill(
+        model, s.prompts.inputs, group_size=s.group_size, **s.sampling, **options
+    )
+
+
+@torch.no_grad()
+def full_logprobs(model: torch.nn.Module, s: Setup, ids: torch.Tensor) -> torch.Tensor:
+    """grpo.completion_logprobs (N, T), 8 rows at a time: it holds (rows, T, V) fp32 logits (10 GB for 64)."""
+    chunks = speedups.split_rows(s.rows, 8)
+    options = dict(temperature=s.sampling["temperature"])
+    return torch.cat([grpo.completion_logprobs(model, c, ids[rows], **options)[0] for rows, c in chunks])
+
+
+def check_sampler(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
+    def equal_rows() -> tuple[int, int]:
+        torch.manual_seed(s.seed)
+        theirs, _ = grpo.sample_completions(
+            model, s.prompts.inputs, num_return_sequences=s.group_size, **s.sampling
+        )
+        mine, _ = ours(model, s)
+        T = max(theirs.shape[1], mine.shape[1])  # both stop when every row has ended: pad the shorter
+        theirs, mine = (
+            F.pad(x, (0, T - x.shape[1]), value=s.sampling["pad_token_id"]) for x in (theirs, mine)
+        )
+        return int((theirs == mine).all(dim=1).sum()), theirs.shape[0]
+
+    in_dtype = ""
+    if s.dtype != torch.float32:
+        same, n = equal_rows()
+        in_dtype = f"; in {str(s.dtype).removeprefix('torch.')}: {same} of {n} (rounding may drift a row)"
+    with in_fp32(model, s.dtype):
+        same, n = equal_rows()
+    return same == n, f"equal tokens for {same} of {n} rows in fp32{in_dtype}"
+
+
+def check_left_padding(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
+    ids, _ = ours(model, s)
+    logp = full_logprobs(model, s, ids)  # (N, T)
+    bad = int((~torch.isfinite(logp)).sum())
+    pads = (s.prompts.inputs["attention_mask"] == 0).sum(dim=1)  # (B,)
+    rows = f"{logp.shape[0]} rows x {logp.shape[1]} tokens, {int(pads.min())}-{int(pads.max())} pad tokens"
+    return bad == 0, f"{bad} log-probs not finite of {logp.numel()} ({rows}); mean {logp.nanmean():.3f}"
+
+
+def check_trunk(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
+    parts = speedups.decoder_parts(model, s.lora.lora_last_k)
+    frozen = dict(blocks=parts["blocks"], first_adapted=parts["first_adapted"])
+    ids, recording = ours(model, s, record_block=speedups.record_block(model, parts))
+    trunk = speedups.trunk_from_recording(model, s.rows, ids, recording, **frozen)
+    with torch.no_grad():
+        from_trunk, _ = speedups.trunk_logprobs(trunk, ids, **parts, temperature=s.sampling["temperature"])
+    full = full_logprobs(model, s, ids)  # (N, T)
+    bound, why = 1e-4, "fp32"
+    if s.dtype != torch.float32:
+        with in_fp32(model, s.dtype):
+            error = float((full - full_logprobs(model, s, ids)).abs().max())  # this dtype's own rounding
+        bound, why = max(4 * error, bound), f"4 x the full forward's own error against fp32, {error:.1e}"
+    diff = float((from_trunk - full).abs().max())
+    within = diff <= bound
+    figure = f"max |logp difference| {diff:.1e} {'<=' if within else '>'} {bound:.1e} ({why})"
+    return within, f"{figure}, K = {s.lora.lora_last_k}"
+
+
+def check_step(
+    model: torch.nn.Module, optimizer, s: Setup, loss: dict, adv: dict, speed: dict, num_iterations: int
+) -> tuple[bool, str]:
+    plan = speedups.choose(model, dataclasses.replace(s.speed, **speed), last_k=s.lora.lora_last_k)
+    configs = grpo.LossConfig(**loss), grpo.AdvantageConfig(**adv)
+    torch.manual_seed(s.seed)
+    value, grad_norm = gpu_step(model, optimizer, s, plan, *configs, num_iterations=num_iterations)
+    trained = {id(p) for p in lora.lora_parameters(model)}
+    outside = [name for name, p in model.named_parameters() if p.grad is not None and id(p) not in trained]
+    ok = math.isfinite(value) and math.isfinite(grad_norm) and grad_norm > 0 and not outside
+    where = f"gradients outside LoRA: {outside[:3]}" if outside else "gradients on LoRA only"
+    return ok, f"loss {value:.4g}, grad norm {grad_norm:.3g}, {where}"
+
+
+def phase_clock(device: torch.device) -> tuple[Callable, dict[str, float], dict[str, int]]:
+    """(phase context manager, ms per phase, peak allocated bytes per phase: CUDA only, reset per phase)."""
+    ms, peak, cuda = {}, {}, device.type == "cuda"
+
+    @contextmanager
+    def phase(name: str):
+        if cuda:  # the host only queues kernels: charge each phase with its own
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak[name] = max(peak.get(name, 0), torch.cuda.max_memory_allocated(device))
+        ms[name] = ms.get(name, 0.0) + 1000 * (time.perf_counter() - start)
+
+    return phase, ms, peak
+
+
+def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str]:
+    import memory  # memory.py: the estimate from the shapes
+
+    phase, ms, peak = phase_clock(s.device)
+    plan = speedups.choose(model, s.speed, last_k=s.lora.lora_last_k)
+    torch.manual_seed(s.seed)
+    gpu_step(model, optimizer, s, plan, grpo.LossConfig(), grpo.AdvantageConfig(), phase=phase)
+    speed = s.speed
+    estimate = memory.estimate(
+        model.config,
+        rows=s.rows["input_ids"].shape[0],
+        prompt_len=s.rows["input_ids"].shape[1],
+        completion_len=s.sampling["max_new_tokens"],
+        last_k=s.lora.lora_last_k,
+        lora_r=s.lora.lora_r,
+        dtype_bytes=s.dtype.itemsize,
+        micro_batch_size=speed.micro_batch_size,
+        gradient_checkpointing=speed.gradient_checkpointing,
+        trunk_reuse=speed.trunk_reuse,
+        shared_prefill=speed.shared_prefill,
+    )
+    print_table(ms, peak, estimate)
+    step_ms = sum(ms.values())
+    if s.device.type != "cuda":
+        return True, f"step {step_ms:.0f} ms; memory n/a (CPU)"
+    measured, predicted = max(peak.values()), estimate["peak"]
+    ok = abs(measured / predicted - 1) <= 0.25
+    return ok, f"step {step_ms:.0f} ms, peak {gib(measured)} GiB, estimate {gib(predicted)} GiB"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.3g}"
+
+
+def print_table(ms: dict[str, float], peak: dict[str, int], estimate: dict[str, int]) -> None:
+    """Phase, ms, measured peak (allocated: weights included), the estimate's entry for the phase."""
+    print(f"  {'phase':<16}{'ms':>10}{'peak GiB':>11}   estimate GiB (memory.estimate key)")
+    for name, key in (*ESTIMATE_KEYS.items(), ("step", "peak")):
+        step = name == "step"
+        took = sum(ms.values()) if step else ms.get(name, 0.0)
+        high = max(peak.values(), default=None) if step else peak.get(name)
+        beside = f"{gib(estimate[key])} ({key})" if key in estimate else f"- (no {key!r})"
+        print(f"  {name:<16}{took:>10.1f}{'n/a (CPU)' if high is None else gib(high):>11}   {beside}")
+
+
+def check_determinism(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str]:
+    params = lora.lora_parameters(model)
+    start, moments = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
+    plan = speedups.choose(model, s.speed, last_k=s.lora.lora_last_k)
+    results = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            with torch.no_grad():
+                for p, value in zip(params, start):
+                    p.copy_(value)
+            optimizer.load_state_dict(
+                copy.deepcopy(moments)
+            )  # NOTE: a copy: AdamW updates its state in place
+            torch.manual_seed(s.seed)
+            loss, _ = gpu_step(model, optimizer, s, plan, grpo.LossConfig(), grpo.AdvantageConfig())
+            results.append((loss, [p.detach().clone() for p in params]))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (loss_a, weights_a), (loss_b, weights_b) = results
+    same = all(torch.equal(a, b) for a, b in zip(weights_a, weights_b))
+    moved = not all(torch.equal(a, b) for a, b in zip(weights_a, start))  # the step did update them
+    words = "bit-identical" if same else "different"
+    return loss_a == loss_b and same and moved, f"losses {loss_a!r}, {loss_b!r}; LoRA weights after: {words}"
+
+
+def check_cuda_graph(model: torch.nn.Module, s: Setup) -> tuple[bool | None, str]:
+    # NOTE: runs once speedups.SpeedConfig has a `cuda_graph` field (the decoding step as a CUDA graph).
+    if "cuda_graph" not in {f.name for f in dataclasses.fields(speedups.SpeedConfig)}:
+        return None, "this speedups.SpeedConfig has no cuda_graph option"
+    if s.device.type != "cuda":
+        return None, "captured on CUDA only"
+    tokens = []
+    for graph in (False, True):
+        plan = speedups.choose(model, speedups.SpeedConfig(cuda_graph=graph), last_k=s.lora.lora_last_k)
+        torch.manual_seed(s.seed)
+        options = dict(group_size=s.group_size, record=False, **s.sampling)
+        tokens.append(speedups.sample(model, s.prompts.inputs, plan, **options)[0])
+    same = int((tokens[0] == tokens[1]).all(dim=1).sum()) if tokens[0].shape == tokens[1].shape else 0
+    return same == tokens[0].shape[0], f"equal tokens for {same} of {tokens[0].shape[0]} rows"
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+
+
+def run_check(label: str, check: Callable[[], tuple[bool | None, str]]) -> bool:
+    """Print `PASS|FAIL|SKIP label: figure`; an exception fails this check only. False if it failed."""
+    try:
+        ok, figure = check()
+    except Exception as error:  # noqa: BLE001 (what fails at these shapes is what this script looks for)
+        traceback.print_exc()
+        ok, figure = False, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # an out-of-memory error leaves the allocator's cache full
+    print(f"{'SKIP' if ok is None else 'PASS' if ok else 'FAIL'}  {label}: {figure}", flush=True)
+    return ok is not False
+
+
+def check_args(args: Args) -> None:
+    """Every flag's range before any model is built (cli.UsageError)."""
+    with cli.user_errors():
+        args.lora.check()
+    for flag, value, low in (
+        ("--batch-size", args.batch_size, 1),
+        ("--group-size", args.group_size, 2),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--micro-batch-size", args.micro_batch_size, 1),
+    ):
+        cli.check(value is None or value >= low, flag, f"must be >= {low}, got {value}")
+    cli.check(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
+    cli.check(args.dtype != "float16", "--dtype", "float16 is not supported for training; use bfloat16")
+
+
+def main(args: Args) -> None:
+    check_args(args)
+    with cli.user_errors():
+        device = distributed.resolve_device(args.device)
+        dtype = model_io.resolve_dtype(args.dtype, device)
+    name = args.shapes if args.shapes != "auto" else "3b" if device.type == "cuda" else "tiny"
+    flags = dict(batch_size=args.batch_size, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
+    workload = WORKLOADS[name] | {key: value for key, value in flags.items() if value is not None}
+    layers = SHAPES[name][0]["num_hidden_layers"]
+    too_many = f"must be <= the {layers} blocks of {name}, got {args.lora.lora_last_k}"
+    cli.check(args.lora.lora_last_k <= layers, "--lora-last-k", too_many)
+    # cuBLAS reads its workspace setting once, when it starts: set now for check 6, which alone runs with
+    # deterministic algorithms on (the others time and test the default mode).
+    distributed.use_deterministic_algorithms()
+    torch.use_deterministic_algorithms(False)
+    model = random_model(name, device, dtype, args.seed)
+    prompts = random_prompts(model.config, workload, device, args.seed)
+    G = workload["group_size"]
+    sampling = sampling_options(model.config, workload["max_new_tokens"], args.top_p)
+    speed = speedups.SpeedConfig(
+        micro_batch_size=args.micro_batch_size, gradient_checkpointing=args.gradient_checkpointing
+    )
+    s = Setup(prompts, data.repeat_rows(prompts, G).inputs, sampling, G, dtype, args.seed, args.lora, speed)
+    B, P = prompts.inputs["input_ids"].shape
+    size, precision = sum(p.numel() for p in model.parameters()), str(dtype).removeprefix("torch.")
+    print(
+        f"gpu_check: random Qwen2.5-VL, {name} shapes ({size:,} parameters), {device}, {precision}; "
+        f"B = {B} x G = {G} rows, P = {P}, T = {sampling['max_new_tokens']}, "
+        f"LoRA K = {args.lora.lora_last_k}, r = {args.lora.lora_r}",
+        flush=True,
+    )
+    results = [
+        run_check("1 sampler = generate", lambda: check_sampler(model, s)),
+        run_check("2 left-padded rows", lambda: check_left_padding(model, s)),
+        run_check("3 recorded trunk = full forward", lambda: check_trunk(model, s)),
+    ]
+    torch.manual_seed(args.seed)  # LoRA's A
+    lora.inject_lora(model, args.lora)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
+    steps = {label: (loss, adv, {}, 1) for label, (loss, adv) in VARIANTS.items()}
+    steps |= {label: ({}, {}, overrides, mu) for label, (overrides, mu) in PATHS.items()}
+    for label, settings in steps.items():
+        results.append(
+            run_check(f"4 step, {label}", functools.partial(check_step, model, optimizer, s, *settings))
+        )
+    results += [
+        run_check("5 phases", lambda: check_phases(model, optimizer, s)),
+        run_check("6 determinism", lambda: check_determinism(model, optimizer, s)),
+        run_check("7 CUDA graph = eager", lambda: check_cuda_graph(model, s)),
+    ]
+    failed = results.count(False)
+    print(f"{failed} of {len(results)} checks failed" if failed else f"all {len(results)} checks passed")
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    cli.run(main, tyro.cli(Args))
