@@ -814,6 +814,10 @@ def main(args: Args) -> dict:
         with cli.user_errors():
             device = distributed.resolve_device(args.device)
             out = checkpoints.run_folder(args.output_dir, args.resume)
+        # NOTE: torch has no deterministic cumsum on CUDA, which top-p sampling needs (ours and generate's)
+        no_cumsum = args.deterministic and args.sampling.top_p < 1 and device.type == "cuda"
+        message = "cannot sample with --top-p < 1 on CUDA: torch has no deterministic cumsum there"
+        cli.check(not no_cumsum, "--deterministic", message)
         timeout = dict(timeout_minutes=args.dist_timeout)
         rank, world = distributed.init_distributed(device, **timeout)  # (0, 1) without torchrun
         writer = rank == 0  # the only rank that writes files, prints progress and evaluates

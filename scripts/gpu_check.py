@@ -129,7 +129,7 @@ ESTIMATE_KEYS = {
     "sampling": "sampling",
     "trunk": "trunk",
     "reference/old": "logprob_pass",
-    "policy fwd+bwd": "activations",
+    "policy fwd+bwd": "update",
     "optimizer": "lora+adam",
 }
 

@@ -412,6 +412,18 @@ def test_a_deterministic_run_requests_deterministic_kernels_and_on_cpu_trains_as
     assert metrics[0] == metrics[1]
 
 
+def test_deterministic_top_p_sampling_on_cuda_is_refused_before_anything_starts(monkeypatch, tmp_path):
+    # torch raises at the first top-p cumsum on CUDA with deterministic algorithms: refused at start instead.
+    monkeypatch.setattr(distributed, "use_deterministic_algorithms", lambda: None)  # no global switch here
+    monkeypatch.setattr(distributed, "resolve_device", lambda name: torch.device("cuda"))
+    args = tyro.cli(
+        train.Args, args=["--deterministic", "--top-p", "0.9", "--output-dir", str(tmp_path / "r")]
+    )
+    with pytest.raises(cli.UsageError, match=r"^--deterministic: cannot sample with --top-p < 1 on CUDA"):
+        train.main(args)
+    assert not (tmp_path / "r").exists()
+
+
 DIST_TIMEOUT_RANK = """
 import sys, time, torch, tyro, distributed, train
 args = tyro.cli(train.Args, args=["--dist-timeout", sys.argv[1]])
