@@ -7,7 +7,8 @@ Each section re-arranges one grpo.py function:
 1. Shared prefill (`sample_completions`). generate(num_return_sequences=G) prefills every prompt G times;
    `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
    decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
-   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended.
+   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended; with
+   --cuda-graph it is captured once per batch and replayed (`capture_cuda_graph`).
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -97,6 +98,10 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
 
 # A capture gets a step (a function of static inputs) and returns (the outputs of one run of it, the static
 # outputs a replay refills, the replay): `capture_cuda_graph`, or a stand-in with the same contract.
+# NOTE: what a capture relies on in transformers (5.24; Qwen2 / Qwen2.5-VL, sdpa or eager attention):
+# StaticCache writes at a device-side index that it advances in place, and for a compileable cache and one
+# query token create_causal_mask skips SDPA's is_causal shortcut, whose check reads the padding mask back.
+# flash_attention_2 reads its mask, a "dynamic" RoPE its largest position: neither can be captured.
 Capture = Callable[[Callable[[], tuple]], tuple[tuple, tuple, Callable[[], Any]]]
 
 
@@ -502,7 +507,7 @@ class SpeedConfig:
     """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
     cuda_graph: bool = False
     """Replay --shared-prefill's one-token decoding step as a CUDA graph (the same tokens, no kernel launched
-    one by one); ignored, with a note, off CUDA. Off by default: it has not yet run on a GPU."""
+    one by one); ignored, with a note, off CUDA or with flash_attention_2. Off: never yet run on a GPU."""
 
     def check(self) -> None:
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -551,10 +556,12 @@ def choose(model: nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
     """The run's Plan, made after LoRA is injected; without a trunk, checkpointing is transformers' own."""
     if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
         enable_plain_checkpointing(model)
-    device = next(model.parameters()).device
+    device, attention = next(model.parameters()).device, model.config._attn_implementation
     graph = config.cuda_graph and config.shared_prefill and device.type == "cuda"
+    graph = graph and attention in ("sdpa", "eager")  # flash_attention_2 reads its mask back to the host
     if config.cuda_graph and not graph:  # NOTE: a note, not an error: a GPU run's flags also run elsewhere
-        print(f"note: --cuda-graph ignored: it captures --shared-prefill's decoding on CUDA only ({device})")
+        needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention"
+        print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")
     capture = capture_cuda_graph if graph else None
     if not config.trunk_reuse:
         return Plan(config, capture=capture)

@@ -445,7 +445,8 @@ def test_cuda_graph_is_ignored_with_a_note_where_it_cannot_act(capsys):
     plan = speedups.choose(model, speedups.SpeedConfig(cuda_graph=True), last_k=K)
     assert plan.capture is None  # the CPU: decoding runs eagerly, as without the flag
     assert capsys.readouterr().out == (
-        "note: --cuda-graph ignored: it captures --shared-prefill's decoding on CUDA only (cpu)\n"
+        "note: --cuda-graph ignored: it captures --shared-prefill's decoding, on CUDA, with sdpa or eager"
+        " attention (here cpu, sdpa)\n"
     )
     assert speedups.choose(model, speedups.SpeedConfig(), last_k=K).capture is None
     assert capsys.readouterr().out == ""
