@@ -552,17 +552,23 @@ def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
     return parts["blocks"][parts["first_adapted"]]
 
 
+def decode_capture(model: nn.Module, config: SpeedConfig) -> Capture | None:
+    """`capture_cuda_graph` where --cuda-graph can act; elsewhere None, and a note says why."""
+    device, attention = next(model.parameters()).device, model.config._attn_implementation
+    # flash_attention_2 reads its mask back to the host: no capture
+    if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager"):
+        return capture_cuda_graph
+    # NOTE: a note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
+    needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention"
+    print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")
+    return None
+
+
 def choose(model: nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
     """The run's Plan, made after LoRA is injected; without a trunk, checkpointing is transformers' own."""
     if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
         enable_plain_checkpointing(model)
-    device, attention = next(model.parameters()).device, model.config._attn_implementation
-    graph = config.cuda_graph and config.shared_prefill and device.type == "cuda"
-    graph = graph and attention in ("sdpa", "eager")  # flash_attention_2 reads its mask back to the host
-    if config.cuda_graph and not graph:  # NOTE: a note, not an error: a GPU run's flags also run elsewhere
-        needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention"
-        print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")
-    capture = capture_cuda_graph if graph else None
+    capture = decode_capture(model, config) if config.cuda_graph else None
     if not config.trunk_reuse:
         return Plan(config, capture=capture)
     parts = decoder_parts(model, last_k)
