@@ -101,7 +101,8 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
 # NOTE: what a capture relies on in transformers (5.24; Qwen2 / Qwen2.5-VL, sdpa or eager attention):
 # StaticCache writes at a device-side index that it advances in place, and for a compileable cache and one
 # query token create_causal_mask skips SDPA's is_causal shortcut, whose check reads the padding mask back.
-# flash_attention_2 reads its mask, a "dynamic" RoPE its largest position: neither can be captured.
+# flash_attention_2 reads its mask, a "dynamic" RoPE its largest position: neither can be captured; a
+# sliding-window layer of the cache counts in a Python int, which a replay leaves behind.
 Capture = Callable[[Callable[[], tuple]], tuple[tuple, tuple, Callable[[], Any]]]
 
 
@@ -555,11 +556,13 @@ def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
 def decode_capture(model: nn.Module, config: SpeedConfig) -> Capture | None:
     """`capture_cuda_graph` where --cuda-graph can act; elsewhere None, and a note says why."""
     device, attention = next(model.parameters()).device, model.config._attn_implementation
-    # flash_attention_2 reads its mask back to the host: no capture
-    if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager"):
+    # NOTE: flash_attention_2 reads its mask back to the host; a sliding-window StaticCache layer counts
+    # what it holds in a Python int, which a replay would never advance.
+    full = set(getattr(model.config.get_text_config(), "layer_types", None) or []) <= {"full_attention"}
+    if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager") and full:
         return capture_cuda_graph
-    # NOTE: a note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
-    needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention"
+    # A note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
+    needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention and no sliding window"
     print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")
     return None
 

@@ -446,7 +446,7 @@ def test_cuda_graph_is_ignored_with_a_note_where_it_cannot_act(capsys):
     assert plan.capture is None  # the CPU: decoding runs eagerly, as without the flag
     assert capsys.readouterr().out == (
         "note: --cuda-graph ignored: it captures --shared-prefill's decoding, on CUDA, with sdpa or eager"
-        " attention (here cpu, sdpa)\n"
+        " attention and no sliding window (here cpu, sdpa)\n"
     )
     assert speedups.choose(model, speedups.SpeedConfig(), last_k=K).capture is None
     assert capsys.readouterr().out == ""
