@@ -508,7 +508,7 @@ class SpeedConfig:
     """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant)."""
     cuda_graph: bool = False
     """Replay --shared-prefill's one-token decoding step as a CUDA graph (the same tokens, no kernel launched
-    one by one); ignored, with a note, off CUDA or with flash_attention_2. Off: never yet run on a GPU."""
+    one by one); ignored with a note where it cannot act (`decode_capture`). Off: never yet run on a GPU."""
 
     def check(self) -> None:
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
