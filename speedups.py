@@ -7,7 +7,8 @@ Each section re-arranges one grpo.py function:
 1. Shared prefill (`sample_completions`). generate(num_return_sequences=G) prefills every prompt G times;
    `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
    decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
-   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended.
+   static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended; with
+   --cuda-graph it is captured once per batch and replayed (`capture_cuda_graph`).
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -26,7 +27,7 @@ models it can see break this.
 """
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,11 +47,9 @@ import lora
 def _draw(logits: Tensor, *, temperature: float, top_p: float, suppressed: Tensor) -> Tensor:
     """Next tokens (N,) from the last logits (N, V): generate's processors (suppress -> temperature -> top_p)
     and sampler, op for op in its order and dtype (fp32), so the same seed draws the same tokens."""
-    scores = logits.float().masked_fill(suppressed, float("-inf"))  # (N, V)
-    if temperature == 0:  # greedy
+    scores = logits.float().masked_fill(suppressed, float("-inf")) / (temperature or 1)  # (N, V)
+    if temperature == 0:  # greedy; a division by 1 changes no bit
         return scores.argmax(dim=-1)
-    if temperature != 1:
-        scores = scores / temperature
     if top_p < 1:
         # Drop the least likely tokens whose cumulative probability, counted from the bottom, is <= 1 - top_p.
         sorted_scores, order = torch.sort(scores, descending=False)  # (N, V) least likely first
@@ -87,10 +86,7 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
         # ends at a smaller position: the prefill keeps that shift per prompt as `rope_deltas`.
         deltas = getattr(getattr(model, "model", None), "rope_deltas", None)  # (B, 1)
         if deltas is None or deltas.shape[0] != position.shape[0]:
-            raise ValueError(
-                "sample_shared_prefill needs the Qwen-VL `model.model.rope_deltas` after an image prefill;"
-                " this model keeps none: sample with sample_completions (generate) instead"
-            )
+            raise ValueError("the model keeps no Qwen-VL rope_deltas: use grpo.sample_completions (generate)")
         position = position + deltas.to(position.device)
     cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + max_new_tokens)
     for layer, prompt in zip(cache.layers, out[_cache_keyword(model)].layers, strict=True):
@@ -98,6 +94,72 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
         layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
     logits = out.logits[:, -1]  # (B, V)
     return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
+
+
+# A capture gets a step (a function of static inputs) and returns (the outputs of one run of it, the static
+# outputs a replay refills, the replay): `capture_cuda_graph`, or a stand-in with the same contract.
+# NOTE: what a capture relies on in transformers (5.24; Qwen2 / Qwen2.5-VL, sdpa or eager attention):
+# StaticCache writes at a device-side index that it advances in place, and for a compileable cache and one
+# query token create_causal_mask skips SDPA's is_causal shortcut, whose check reads the padding mask back.
+# flash_attention_2 reads its mask, a "dynamic" RoPE its largest position: neither can be captured; a
+# sliding-window layer of the cache counts in a Python int, which a replay leaves behind.
+Capture = Callable[[Callable[[], tuple]], tuple[tuple, tuple, Callable[[], Any]]]
+
+
+def capture_cuda_graph(step: Callable[[], tuple]) -> tuple[tuple, tuple, Callable[[], Any]]:
+    """Run `step` once on a side stream (the warm-up: cuBLAS workspaces and lazy allocations are made outside
+    the capture), then capture it into a CUDA graph. The capture launches nothing: the KV cache and the
+    positions advance once, in the warm-up, whose outputs are the first step's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return first, static, graph.replay
+
+
+def _captured(step: Callable[..., tuple], capture: Capture) -> Callable[..., tuple]:
+    """`step` replayed as a graph: the first call copies its inputs into static ones and runs and captures
+    it (`capture`); later calls copy their inputs there, replay it and return copies of its static outputs
+    (the next replay overwrites them; the caller keeps the recorded trunk)."""
+    inputs, static, replay = (), (), None
+
+    def run(*args: Tensor) -> tuple:
+        nonlocal inputs, static, replay
+        if replay is None:
+            inputs = tuple(x.clone() for x in args)
+            first, static, replay = capture(lambda: step(*inputs))
+            return first
+        for buffer, x in zip(inputs, args, strict=True):
+            buffer.copy_(x)
+        replay()
+        return tuple(x.clone() for x in static)
+
+    return run
+
+
+def _decode_step(
+    model: nn.Module,
+    position: Tensor,
+    mask: Tensor,
+    cache: StaticCache,
+    recorded: list[Tensor],
+    capture: Capture | None,
+) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    """One token's forward, tokens (N, 1) -> logits (N, V) [, what entered record_block: an output, as a graph
+    replays no hook]; no host sync or changing shape, all else read in place: a CUDA graph can replay it."""
+    options = {"attention_mask": mask, "use_cache": True, _cache_keyword(model): cache}
+
+    def step(fed: Tensor) -> tuple[Tensor, ...]:
+        # position_ids (N, 1): for Qwen-VL the same on all three mRoPE axes.
+        logits = model(input_ids=fed, position_ids=position, **options).logits[:, -1]  # (N, V)
+        position.add_(1)  # on the device, as StaticCache advances where it writes: a replay does both
+        return (logits, recorded.pop()) if recorded else (logits,)
+
+    return step if capture is None else _captured(step, capture)
 
 
 @torch.no_grad()
@@ -113,11 +175,13 @@ def sample_shared_prefill(
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
     record_block: nn.Module | None = None,
+    capture: Capture | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`grpo.sample_completions(..., num_return_sequences=G)` with each prompt prefilled once: B LEFT-padded
     prompts in, ids (N, T) out (prompt b: rows b*G .. b*G+G-1). Given `record_block` (blocks[first_adapted]),
     also what entered that block, (N, P + T - 1, H) (the last token is drawn, never fed): the frozen trunk,
-    equal to a full forward's to rounding (a KV-cache step sums in another order)."""
+    equal to a full forward's to rounding (a KV-cache step sums in another order). Given `capture`
+    (`capture_cuda_graph`), the decoding step is replayed as a graph after its first run: the same tokens."""
     grpo.check_inputs(inputs)
     grpo.check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
@@ -127,8 +191,7 @@ def sample_shared_prefill(
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
-    hooked = record_block is not None
-    hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if hooked else nullcontext()
+    hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if record_block else nullcontext()
     with hook, lora.weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
         logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
         (N, V), device = logits.shape, logits.device
@@ -143,7 +206,7 @@ def sample_shared_prefill(
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
         every, rng_states, cuda = FINISHED_CHECK_EVERY.get(device.type, 1), [], device.type == "cuda"
         rng = torch.cuda.default_generators[device.index] if cuda else torch.default_generator
-        fixed = {"attention_mask": mask, "use_cache": True, _cache_keyword(model): cache}  # every step's
+        step = _decode_step(model, position, mask, cache, recorded, capture)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             rng_states.append(rng.get_state())  # the generator multinomial draws from
@@ -152,8 +215,8 @@ def sample_shared_prefill(
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
             if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
-            # position_ids (N, 1): for Qwen-VL the same on all three mRoPE axes. logits: (N, V)
-            logits = model(input_ids=tokens[:, t, None], position_ids=position + t, **fixed).logits[:, -1]
+            logits, *hidden = step(tokens[:, t, None])  # (N, V) [and what entered record_block, (N, 1, H)]
+            recorded += hidden
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws
@@ -446,6 +509,9 @@ class SpeedConfig:
     gradient_checkpointing: bool = False
     """Recompute the adapted blocks' activations in the backward instead of keeping them (non-reentrant).
     --micro-batch-size auto switches it on when the estimate needs it."""
+    cuda_graph: bool = False
+    """Replay --shared-prefill's one-token decoding step as a CUDA graph (the same tokens, no kernel launched
+    one by one); ignored with a note where it cannot act (`decode_capture`). Off: never yet run on a GPU."""
 
     def check(self) -> None:
         size = self.micro_batch_size
@@ -460,6 +526,7 @@ class Plan:
     config: SpeedConfig = field(default_factory=SpeedConfig)
     parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
     record_block: nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
+    capture: Capture | None = None  # shared prefill + --cuda-graph on CUDA: how the decoding step is captured
 
 
 def decoder_parts(model: nn.Module, last_k: int) -> dict[str, Any]:
@@ -490,14 +557,29 @@ def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
     return parts["blocks"][parts["first_adapted"]]
 
 
+def decode_capture(model: nn.Module, config: SpeedConfig) -> Capture | None:
+    """`capture_cuda_graph` where --cuda-graph can act; elsewhere None, and a note says why."""
+    device, attention = next(model.parameters()).device, model.config._attn_implementation
+    # NOTE: flash_attention_2 reads its mask back to the host; a sliding-window StaticCache layer counts
+    # what it holds in a Python int, which a replay would never advance.
+    full = set(getattr(model.config.get_text_config(), "layer_types", None) or []) <= {"full_attention"}
+    if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager") and full:
+        return capture_cuda_graph
+    # A note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
+    needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention and no sliding window"
+    print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")
+    return None
+
+
 def choose(model: nn.Module, config: SpeedConfig, *, last_k: int) -> Plan:
     """The run's Plan, made after LoRA is injected; without a trunk, checkpointing is transformers' own."""
     if config.gradient_checkpointing and not config.trunk_reuse:  # the trunk path checkpoints by itself
         enable_plain_checkpointing(model)
+    capture = decode_capture(model, config) if config.cuda_graph else None
     if not config.trunk_reuse:
-        return Plan(config)
+        return Plan(config, capture=capture)
     parts = decoder_parts(model, last_k)
-    return Plan(config, parts, record_block(model, parts) if config.shared_prefill else None)
+    return Plan(config, parts, record_block(model, parts) if config.shared_prefill else None, capture)
 
 
 def sample(
@@ -512,8 +594,8 @@ def sample(
     """G completions of each of the B prompts, (ids (N, T), trunk recording or None if not `record`), from
     `sample_shared_prefill` or (plain) `grpo.sample_completions`, given the samplers' `options`."""
     if plan.config.shared_prefill:
-        block = plan.record_block if record else None
-        return sample_shared_prefill(model, inputs, group_size=group_size, record_block=block, **options)
+        chosen = dict(record_block=plan.record_block if record else None, capture=plan.capture)
+        return sample_shared_prefill(model, inputs, group_size=group_size, **chosen, **options)
     return grpo.sample_completions(model, inputs, num_return_sequences=group_size, **options)[0], None
 
 

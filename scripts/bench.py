@@ -4,6 +4,7 @@
     python scripts/bench.py --config small --steps 2  # random Qwen2.5-VL: 12 blocks, K = 2, 224-pixel photos
     python scripts/bench.py --quick                   # 1 step of tiny: checks that every path runs
     python scripts/bench.py --config small --device cuda  # on a GPU: synchronized timings, allocator peaks
+    python scripts/bench.py --config small --device cuda --cuda-graph  # ours decodes by CUDA-graph replays
     python scripts/bench.py --memory                  # peak memory of completion log-probs, 151k vocabulary
     python scripts/bench.py --trl-python /tmp/venv-trl/bin/python   # also TRL's GRPOTrainer + PEFT LoRA
 
@@ -107,6 +108,8 @@ class BenchArgs:
     """Ours only: rows per micro-batch."""
     gradient_checkpointing: bool = False
     """Ours only: checkpoint the adapted blocks."""
+    cuda_graph: bool = False
+    """Ours only, --device cuda: replay the one-token decoding step as a CUDA graph (captured per step)."""
     device: str = "cpu"
     """cpu or cuda (both paths; TRL and --memory stay on the CPU)."""
     threads: int = 1
@@ -312,7 +315,9 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
     else:
         checkpointing = bench.gradient_checkpointing
         speed = speedups.SpeedConfig(
-            micro_batch_size=bench.micro_batch_size, gradient_checkpointing=checkpointing
+            micro_batch_size=bench.micro_batch_size,
+            gradient_checkpointing=checkpointing,
+            cuda_graph=bench.cuda_graph,
         )
     return train.Args(
         batch_size=config.B,
@@ -590,6 +595,7 @@ def check_args(bench: BenchArgs) -> None:
     cli.check(bench.device in ("cpu", "cuda"), "--device", f"must be cpu or cuda, got {bench.device!r}")
     cuda_ok = bench.device != "cuda" or torch.cuda.is_available()
     cli.check(cuda_ok, "--device", "cuda asked for, but torch sees no CUDA device here")
+    cli.check(not bench.cuda_graph or bench.device == "cuda", "--cuda-graph", "needs --device cuda")
     variant = bench.memory_variant
     known = ", ".join(MEMORY_VARIANTS)
     cli.check(variant in (None, *MEMORY_VARIANTS), "--memory-variant", f"unknown {variant!r}; known: {known}")

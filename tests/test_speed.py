@@ -365,6 +365,93 @@ def test_decode_steps_have_static_shapes_and_write_into_one_preallocated_cache()
     assert steps[0][3]["attention_mask"] == (B * G, P + T)
 
 
+def graph_stand_in(counts: dict[str, int], outputs: int):
+    """A `speedups.Capture` that keeps a CUDA graph's contract on the CPU: one real run (the warm-up), a
+    capture that runs nothing and hands out output tensors not yet written, and replays that rerun the step
+    on its static inputs and refill those same tensors in place. Unlike a graph it reruns Python (hooks too),
+    so it checks that what the trunk recorder saw is one of the step's `outputs`: a replay runs no hook."""
+
+    def capture(step):
+        first = step()
+        assert len(first) == outputs
+        static = tuple(torch.full_like(x, float("nan")) for x in first)
+        counts["captures"] += 1
+
+        def replay():
+            counts["replays"] += 1
+            for buffer, x in zip(static, step(), strict=True):
+                buffer.copy_(x)
+
+        return first, static, replay
+
+    return capture
+
+
+@pytest.mark.parametrize("every", [1, 8])  # how often "has every row ended?" is read: the CPU's, a GPU's
+@pytest.mark.parametrize(
+    "kind, temperature, top_p", [("vlm", 1.0, 1.0), ("vlm", 0.7, 0.9), ("vlm", 0.0, 1.0), ("text", 0.7, 0.9)]
+)
+def test_a_replayed_decoding_step_draws_the_same_tokens_and_records_the_same_trunk(
+    kind, temperature, top_p, every, monkeypatch
+):
+    monkeypatch.setitem(speedups.FINISHED_CHECK_EVERY, "cpu", every)
+    model, G = lora_model(kind), 3
+    block = speedups.record_block(model, speedups.decoder_parts(model, K))
+    options = dict(group_size=G, max_new_tokens=10, temperature=temperature, top_p=top_p, record_block=block)
+    steps = []  # decoding forwards (one new token per row), per sampling call
+    model.register_forward_pre_hook(
+        lambda m, a, kw: steps.append(kw["input_ids"].shape[1] == 1), with_kwargs=True
+    )
+    ended_early = False
+    for seed in range(3):  # left-padded prompts (the VLM's with 2 + 1 images), P(EOS) ~ 1/5 per step
+        torch.manual_seed(seed)
+        eager = speedups.sample_shared_prefill(model, inputs_for(kind, 1), **options, **SAMPLING)
+        rng_after, eager_steps, counts = torch.get_rng_state(), sum(steps), {"captures": 0, "replays": 0}
+        steps.clear()
+        torch.manual_seed(seed)
+        replayed = speedups.sample_shared_prefill(
+            model, inputs_for(kind, 1), **options, **SAMPLING, capture=graph_stand_in(counts, 2)
+        )
+        assert torch.equal(replayed[0], eager[0]) and torch.equal(replayed[1], eager[1]), seed
+        assert torch.equal(torch.get_rng_state(), rng_after)  # the same draws, the same ones undone
+        # The first step runs, is captured once, and every later one is a replay.
+        assert sum(steps) == eager_steps and counts == {"captures": 1, "replays": eager_steps - 1}, seed
+        steps.clear()
+        ended_early |= bool((eager[0][:, :-1] == SAMPLING["eos_token_id"]).any())
+    assert ended_early or temperature == 0  # a row ended while others went on: padding was fed
+
+
+def test_the_decoding_step_reads_no_tensor_value_back_to_the_host():
+    """On the meta device a tensor has no values: `.item()`, `bool(t)`, `.tolist()` raise there. So a step
+    that runs on it neither waits for the device nor branches on data, as a CUDA graph capture needs (with a
+    DynamicCache transformers' mask creation would raise here: it reads the padding mask)."""
+    for model in (make_random_vlm().to("meta"), make_random_causal_lm().to("meta")):
+        config = model.config.get_text_config()
+        N, P, T, heads = 6, 5, 4, config.num_key_value_heads
+        kv = torch.zeros(N, heads, P, config.hidden_size // config.num_attention_heads, device="meta")
+        cache = StaticCache(config=model.config, max_cache_len=P + T)
+        for layer in cache.layers:
+            layer.update(kv, kv)
+        mask = torch.ones(N, P + T, dtype=torch.long, device="meta")
+        position = torch.zeros(N, 1, dtype=torch.long, device="meta")
+        step = speedups._decode_step(model, position, mask, cache, [], None)
+        with torch.no_grad():
+            (logits,) = step(torch.zeros(N, 1, dtype=torch.long, device="meta"))
+        assert logits.shape == (N, VOCAB) and logits.device.type == "meta"
+
+
+def test_cuda_graph_is_ignored_with_a_note_where_it_cannot_act(capsys):
+    model = lora_model("text")
+    plan = speedups.choose(model, speedups.SpeedConfig(cuda_graph=True), last_k=K)
+    assert plan.capture is None  # the CPU: decoding runs eagerly, as without the flag
+    assert capsys.readouterr().out == (
+        "note: --cuda-graph ignored: it captures --shared-prefill's decoding, on CUDA, with sdpa or eager"
+        " attention and no sliding window (here cpu, sdpa)\n"
+    )
+    assert speedups.choose(model, speedups.SpeedConfig(), last_k=K).capture is None
+    assert capsys.readouterr().out == ""
+
+
 def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casting_per_token(monkeypatch):
     model = make_random_causal_lm().to(torch.bfloat16)  # bf16 base, fp32 adapters: a cast on every forward
     lora.inject_lora(model, lora.LoRAConfig(lora_last_k=K, lora_r=4, lora_alpha=8.0))
@@ -584,6 +671,12 @@ def test_bench_quick_runs_and_prints_every_phase():
     assert out.returncode == 0, out.stderr[-2000:]
     for phase in ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer", "step", "encodings"):
         assert phase in out.stdout, phase
+
+
+def test_bench_refuses_cuda_graph_without_cuda_before_building_a_model():
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--cuda-graph"]
+    out = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (out.returncode, out.stderr) == (2, "error: --cuda-graph: needs --device cuda\n")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here --device cuda would run")
