@@ -486,9 +486,6 @@ def check_determinism(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool
 
 
 def check_cuda_graph(model: torch.nn.Module, s: Setup) -> tuple[bool | None, str]:
-    # NOTE: runs once speedups.SpeedConfig has a `cuda_graph` field (the decoding step as a CUDA graph).
-    if "cuda_graph" not in {f.name for f in dataclasses.fields(speedups.SpeedConfig)}:
-        return None, "this speedups.SpeedConfig has no cuda_graph option"
     if s.device.type != "cuda":
         return None, "captured on CUDA only"
     tokens = []
