@@ -1,0 +1,288 @@
+"""Multi-turn rollouts in which the policy calls tools ("thinking with images"), trained on its own tokens only.
+
+The policy writes a call in Qwen's chat format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+sampling stops at `</tool_call>`, the tool runs (tools.py), its result (text and/or images) is appended as the
+chat template's tool turn, and sampling goes on, at most `max_tool_calls` calls per completion. A row's
+completion is everything after its prompt: the model's turns and the inserted tool turns, one sequence that
+the log-prob passes (grpo.completion_logprobs, speedups.py) read in one forward with every image.
+
+Letters as in grpo.py: B prompts, G completions per prompt, N = B*G rows, P prompt length (left-padded),
+T completion length (model and tool tokens, right-padded after the row's end).
+
+Choices:
+- The mask is the model's tokens: every token it wrote, each `</tool_call>` and the final end of turn
+  included; the tool turns' text, the template's turn markers and the returned images' vision tokens are not
+  (zero gradient, in no normaliser, KL or entropy statistic).
+- --max-new-tokens bounds the model's tokens over all turns; prompt + completion (tool turns included) is
+  bounded by `max_length` (--max-prompt-length + --max-new-tokens). A row that would pass either ends there,
+  truncated; so does one that calls a tool once more than `max_tool_calls` (the call is not run). Truncated
+  means: no final end of turn.
+- Each turn is one `grpo.sample_completions` (generate) over the rows still running, re-batched with left
+  padding: the G rows of a prompt diverge (one calls a tool, another answers). Its input is the whole
+  sequence so far with every image; Qwen-VL numbers the tokens of an image that appears mid-sequence by its
+  grid from the row's real tokens (`get_rope_index`), the same in every turn and in the recompute.
+- The tool turn is the chat template's own: the conversation rendered with the tool's message, minus the
+  same conversation rendered up to the model's text, so that each checkpoint's template decides.
+- The rows' inputs hold every image of the row in order (the prompt's, then the tools') and
+  `mm_token_type_ids` over prompt AND completion (N, P + T): grpo.recompute_inputs and speedups.split_rows
+  read the tool images' tokens from there.
+- Rewards see the final answer (the last model turn) as the completion, so the label and format rewards work
+  unchanged, and a copy of the sample with the whole `trajectory` text and the `tool_calls` records.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import data
+import grpo
+import tools
+
+ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")
+ERROR_KINDS += ("too_many_calls",)  # a call past max_tool_calls: not run, the rollout ends there
+
+
+@dataclass
+class ToolUse:
+    """What a multi-turn rollout needs besides the model and its sampling options; set up once per run."""
+
+    tools: dict[str, tools.Tool]
+    max_tool_calls: int
+    tokenizer: Any
+    image_processor: Any  # None for a text-only model: its tools return text
+    frame: str | None  # the frame the model writes boxes in (grounding.py); None: original pixels
+    max_length: int  # prompt + completion tokens at most
+
+
+@dataclass
+class _Row:
+    """One row while it is sampled: its real tokens (no padding) and images so far, and its conversation."""
+
+    sample: dict
+    messages: list[dict]  # the chat so far, for the template: the sample's turns, then assistant / tool
+    ids: list[int]  # prompt, then completion tokens
+    types: list[int]  # mm_token_type_ids of `ids`: 1 on image tokens
+    pixels: list[Tensor]  # (patches, D) of each image, the prompt's then the tools'
+    grids: list[Tensor]  # (3,) of each image
+    prompt_length: int
+    mask: list[bool] = field(default_factory=list)  # per completion token: written by the model
+    logp: list[float] = field(default_factory=list)  # per completion token: generation-time (tests)
+    pieces: list[str] = field(default_factory=list)  # model turns and tool turns as text: the trajectory
+    turns: list[dict] = field(default_factory=list)  # rollouts.jsonl's: {"text", "call"?}
+    errors: list[str] = field(default_factory=list)
+    done: bool = False
+    truncated: bool = False
+
+    @property
+    def model_tokens(self) -> int:
+        return sum(self.mask)
+
+
+@dataclass
+class Rollouts:
+    """The N rows of a multi-turn rollout, as the step reads them."""
+
+    inputs: dict[str, Tensor]  # prompts (N, P) with every image of each row; mm_token_type_ids (N, P + T)
+    completion_ids: Tensor  # (N, T) model and tool turns, right-padded
+    mask: Tensor  # (N, T) bool: the model's tokens
+    truncated: Tensor  # (N,) bool: no final end of turn
+    texts: list[str]  # each row's final answer (its last model turn)
+    samples: list[dict]  # each row's sample with "trajectory" and "tool_calls"
+    turns: list[list[dict]]  # each row's turns, for rollouts.jsonl
+    counts: dict[str, Tensor]  # (N,) each: "calls", "errors", "errors/<kind>"
+    logp: Tensor | None = None  # (N, T) generation-time log-probs on the model's tokens (return_logprobs)
+
+
+def _rows(batch: data.PromptBatch, samples: list[dict], group_size: int) -> list[_Row]:
+    """The N = B*G rows of B prompts: each prompt's real tokens and its images, G times."""
+    inputs, rows = batch.inputs, []
+    grids = list(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else []
+    pixels = list(inputs["pixel_values"].split([int(g.prod()) for g in grids])) if grids else []
+    first = 0
+    for b, sample in enumerate(samples):
+        real = inputs["attention_mask"][b].bool()
+        ids = inputs["input_ids"][b][real].tolist()
+        types = (
+            inputs["mm_token_type_ids"][b][real].tolist() if "mm_token_type_ids" in inputs else [0] * len(ids)
+        )
+        n = batch.images_per_row[b]
+        for _ in range(group_size):
+            messages = list(data.sample_messages(sample))
+            row = _Row(
+                sample,
+                messages,
+                list(ids),
+                list(types),
+                pixels[first : first + n],
+                grids[first : first + n],
+                len(ids),
+            )
+            rows.append(row)
+        first += n
+    return rows
+
+
+def _left_padded(rows: list[_Row], pad_token_id: int, device: torch.device | str) -> dict[str, Tensor]:
+    """The rows' sequences so far as one LEFT-padded batch with their images: generate's input."""
+    L = max(len(r.ids) for r in rows)
+    ids = torch.tensor([[pad_token_id] * (L - len(r.ids)) + r.ids for r in rows], device=device)  # (n, L)
+    mask = torch.tensor([[0] * (L - len(r.ids)) + [1] * len(r.ids) for r in rows], device=device)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    grids = [g for r in rows for g in r.grids]
+    if grids:
+        types = [[0] * (L - len(r.types)) + r.types for r in rows]
+        inputs["mm_token_type_ids"] = torch.tensor(types, device=device)  # (n, L)
+        inputs["pixel_values"] = torch.cat([p for r in rows for p in r.pixels]).to(device)
+        inputs["image_grid_thw"] = torch.stack(grids).to(device)  # (images, 3)
+    return inputs
+
+
+def _tool_turn(row: _Row, text: str, result: tools.ToolResult, use: ToolUse) -> bool:
+    """Append the tool turn after the model's `text` (ending with `</tool_call>`): the chat template's text
+    between it and the next assistant turn, its tokens and its images. False if it does not fit."""
+    template = dict(tokenize=False, add_generation_prompt=True)
+    before = use.tokenizer.apply_chat_template(row.messages, **template) + text
+    parts = [{"type": "image"} if p["type"] == "image" else p for p in result.content]
+    messages = [*row.messages, {"role": "assistant", "content": text}, {"role": "tool", "content": parts}]
+    after = use.tokenizer.apply_chat_template(messages, **template)
+    if not after.startswith(before):  # NOTE: a template that re-renders earlier turns would desynchronise
+        raise ValueError("the chat template renders an assistant turn otherwise than the model wrote it")
+    inserted = expanded = after[len(before) :]
+    images = [data.load_image(p["image"], row.sample) for p in result.content if p["type"] == "image"]
+    grids, pixels = [], []
+    if images:  # as data.prepare_prompts: one <|image_pad|> per visual token; the pixel budget applies
+        vision = use.image_processor(images=images, return_tensors="pt")
+        grid = vision["image_grid_thw"]  # (images, 3)
+        counts = iter((grid.prod(-1) // use.image_processor.merge_size**2).tolist())
+        expanded = re.sub(re.escape(data.IMAGE_PAD), lambda _: data.IMAGE_PAD * next(counts), inserted)
+        grids, pixels = list(grid), list(vision["pixel_values"].split(grid.prod(-1).tolist()))
+    ids = use.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+    if len(row.ids) + len(ids) >= use.max_length:  # no room for one more model token after it
+        return False
+    image_pad = use.tokenizer.convert_tokens_to_ids(data.IMAGE_PAD)
+    row.messages, row.grids, row.pixels = messages, row.grids + grids, row.pixels + pixels
+    row.ids += ids
+    row.types += [int(t == image_pad) for t in ids]
+    row.mask += [False] * len(ids)
+    row.logp += [0.0] * len(ids)
+    row.pieces.append(inserted)
+    return True
+
+
+def _take_turn(row: _Row, new: list[int], logp: list[float], ends: list[int], use: ToolUse) -> None:
+    """After the row's model turn `new` (up to its first stop, or cut at its allowance): record it, and run
+    its tool call if it ends with one."""
+    row.ids += new
+    row.types += [0] * len(new)
+    row.mask += [True] * len(new)
+    row.logp += logp
+    text = data.decode_completions(
+        use.tokenizer, torch.tensor([new]), torch.ones(1, len(new), dtype=torch.bool), ends
+    )[0]
+    row.pieces.append(text)
+    row.turns.append(turn := {"text": text})
+    stop = new[-1] if new else None
+    row.done = True
+    if stop in ends:  # the final answer
+        return
+    row.truncated = True  # unless a tool call runs and its turn fits
+    if stop != use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END):  # the budget ran out mid-turn
+        return
+    if sum("call" in t for t in row.turns) >= use.max_tool_calls:  # NOTE: not run; the rollout ends on it
+        turn["call"] = {"error": "too_many_calls"}
+        row.errors.append("too_many_calls")
+        return
+    result = tools.run_call(text, row.sample, use.tools, frame=use.frame, image_processor=use.image_processor)
+    turn["call"] = result.record
+    row.errors += [result.error] if result.error is not None else []
+    row.done = row.truncated = not _tool_turn(row, text, result, use)
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    batch: data.PromptBatch,
+    samples: list[dict],
+    use: ToolUse,
+    *,
+    group_size: int,
+    sampling: dict,
+    return_logprobs: bool = False,
+) -> Rollouts:
+    """G multi-turn completions of each of the B prompts of `batch` (rows b*G .. b*G+G-1: prompt b), turn by
+    turn: `grpo.sample_completions` with `sampling` (data.sampling_options) on the rows still running, their
+    tool calls run, the tool turns appended. [return_logprobs: generate's log-probs, for tests.]"""
+    rows, device = _rows(batch, samples, group_size), batch.inputs["input_ids"].device
+    ends = list(sampling["eos_token_id"])
+    stops = [*ends, use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)]  # end of turn, or a call
+    budget = sampling["max_new_tokens"]  # the model's tokens over all turns
+    while running := [r for r in rows if not r.done]:
+        # Each row's allowance: its share of the token budget left, and of the length bound.
+        allowance = [min(budget - r.model_tokens, use.max_length - len(r.ids)) for r in running]
+        options = dict(sampling, max_new_tokens=max(allowance), eos_token_id=stops)
+        inputs = _left_padded(running, sampling["pad_token_id"], device)
+        ids, logp = grpo.sample_completions(model, inputs, **options, return_logprobs=return_logprobs)
+        for i, (row, room) in enumerate(zip(running, allowance)):
+            new = ids[i, :room].tolist()  # (<= T,) cut at the row's allowance
+            stop = next((k for k, t in enumerate(new) if t in stops), len(new) - 1)
+            new = new[: stop + 1]  # through its first stop; padding after it dropped
+            _take_turn(row, new, logp[i, : len(new)].tolist() if logp is not None else [], ends, use)
+    return _collect(rows, batch, group_size, sampling["pad_token_id"], return_logprobs)
+
+
+def _collect(
+    rows: list[_Row], batch: data.PromptBatch, group_size: int, pad_token_id: int, return_logprobs: bool
+) -> Rollouts:
+    """The finished rows as tensors: the prompts as `batch` padded them, completions right-padded to T."""
+    device = batch.inputs["input_ids"].device
+    inputs = data.repeat_rows(batch, group_size).inputs  # (N, P) ids and attention mask
+    completions = [r.ids[r.prompt_length :] for r in rows]
+    T = max(len(c) for c in completions)
+    as_tensor = lambda values, pad, **kw: torch.tensor(
+        [v + [pad] * (T - len(v)) for v in values], device=device, **kw
+    )  # noqa: E731
+    completion_ids = as_tensor(completions, pad_token_id)  # (N, T)
+    mask = as_tensor([r.mask for r in rows], False)  # (N, T)
+    grids = [g for r in rows for g in r.grids]
+    if grids:  # every image of each row, rows in order; image tokens marked over prompt AND completion
+        P = inputs["input_ids"].shape[1]
+        types = [[0] * (P - r.prompt_length) + r.types for r in rows]
+        inputs["mm_token_type_ids"] = torch.tensor([t + [0] * (P + T - len(t)) for t in types], device=device)
+        inputs["pixel_values"] = torch.cat([p for r in rows for p in r.pixels]).to(device)
+        inputs["image_grid_thw"] = torch.stack(grids).to(device)  # (images, 3)
+    counts = {
+        "calls": [
+            sum("call" in t and t["call"].get("error") != "too_many_calls" for t in r.turns) for r in rows
+        ]
+    }
+    counts["errors"] = [len(r.errors) for r in rows]
+    counts |= {f"errors/{kind}": [r.errors.count(kind) for r in rows] for kind in ERROR_KINDS}
+    texts = [r.pieces[-1] if r.turns else "" for r in rows]
+    return Rollouts(
+        inputs=inputs,
+        completion_ids=completion_ids,
+        mask=mask,
+        truncated=torch.tensor([r.truncated for r in rows], device=device),
+        texts=[r.turns[-1]["text"] for r in rows],
+        samples=[
+            {
+                **r.sample,
+                "trajectory": "".join(r.pieces),
+                "tool_calls": [t["call"] for t in r.turns if "call" in t],
+            }
+            for r in rows
+        ],
+        turns=[r.turns for r in rows],
+        counts={key: torch.tensor(values, device=device) for key, values in counts.items()},
+        logp=as_tensor([r.logp for r in rows], 0.0) if return_logprobs else None,
+    )
+
+
+def tool_metrics(counts: dict[str, Tensor]) -> dict[str, float]:
+    """tools/calls, tools/errors and tools/errors/<kind>: per completion, as the other metrics."""
+    return {f"tools/{key}": float(values.float().mean()) for key, values in counts.items()}
