@@ -1,4 +1,4 @@
-"""Multi-turn rollouts in which the policy calls tools ("thinking with images"), trained on its own tokens only.
+"""Multi-turn rollouts in which the policy calls tools ("thinking with images"), trained on its own tokens.
 
 The policy writes a call in Qwen's chat format, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
 sampling stops at `</tool_call>`, the tool runs (tools.py), its result (text and/or images) is appended as the
@@ -43,18 +43,17 @@ import data
 import grpo
 import tools
 
-ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")
-ERROR_KINDS += ("too_many_calls",)  # a call past max_tool_calls: not run, the rollout ends there
+ERROR_KINDS = (*tools.ERROR_KINDS, "too_many_calls")  # the last: a call past max_tool_calls, not run
 
 
 @dataclass
 class ToolUse:
     """What a multi-turn rollout needs besides the model and its sampling options; set up once per run."""
 
-    tools: dict[str, tools.Tool]
+    tools: dict[str, tools.Tool]  # tools.load_tools
     max_tool_calls: int
-    tokenizer: Any
-    image_processor: Any  # None for a text-only model: its tools return text
+    tokenizer: Any  # its chat template renders the tool turns
+    image_processor: Any  # processes the returned images (None: a text-only model)
     frame: str | None  # the frame the model writes boxes in (grounding.py); None: original pixels
     max_length: int  # prompt + completion tokens at most
 
@@ -74,13 +73,10 @@ class _Row:
     logp: list[float] = field(default_factory=list)  # per completion token: generation-time (tests)
     pieces: list[str] = field(default_factory=list)  # model turns and tool turns as text: the trajectory
     turns: list[dict] = field(default_factory=list)  # rollouts.jsonl's: {"text", "call"?}
-    errors: list[str] = field(default_factory=list)
+    calls: int = 0  # tool calls run
+    errors: list[str] = field(default_factory=list)  # their error kinds, and too_many_calls
     done: bool = False
     truncated: bool = False
-
-    @property
-    def model_tokens(self) -> int:
-        return sum(self.mask)
 
 
 @dataclass
@@ -99,30 +95,23 @@ class Rollouts:
 
 
 def _rows(batch: data.PromptBatch, samples: list[dict], group_size: int) -> list[_Row]:
-    """The N = B*G rows of B prompts: each prompt's real tokens and its images, G times."""
-    inputs, rows = batch.inputs, []
-    grids = list(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else []
+    """The N = B*G rows of B prompts: each prompt's real tokens and images, G times."""
+    inputs, rows, first = batch.inputs, [], 0
+    grids = list(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else []  # (3,) each
     pixels = list(inputs["pixel_values"].split([int(g.prod()) for g in grids])) if grids else []
-    first = 0
-    for b, sample in enumerate(samples):
-        real = inputs["attention_mask"][b].bool()
-        ids = inputs["input_ids"][b][real].tolist()
-        types = (
-            inputs["mm_token_type_ids"][b][real].tolist() if "mm_token_type_ids" in inputs else [0] * len(ids)
+    types = inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"]))  # (B, P)
+    for b, (sample, n) in enumerate(zip(samples, batch.images_per_row)):
+        real = inputs["attention_mask"][b].bool()  # left padding dropped
+        ids, row_types, images = (
+            inputs["input_ids"][b][real].tolist(),
+            types[b][real].tolist(),
+            slice(first, first + n),
         )
-        n = batch.images_per_row[b]
         for _ in range(group_size):
             messages = list(data.sample_messages(sample))
-            row = _Row(
-                sample,
-                messages,
-                list(ids),
-                list(types),
-                pixels[first : first + n],
-                grids[first : first + n],
-                len(ids),
+            rows.append(
+                _Row(sample, messages, list(ids), list(row_types), pixels[images], grids[images], len(ids))
             )
-            rows.append(row)
         first += n
     return rows
 
@@ -133,8 +122,7 @@ def _left_padded(rows: list[_Row], pad_token_id: int, device: torch.device | str
     ids = torch.tensor([[pad_token_id] * (L - len(r.ids)) + r.ids for r in rows], device=device)  # (n, L)
     mask = torch.tensor([[0] * (L - len(r.ids)) + [1] * len(r.ids) for r in rows], device=device)
     inputs = {"input_ids": ids, "attention_mask": mask}
-    grids = [g for r in rows for g in r.grids]
-    if grids:
+    if grids := [g for r in rows for g in r.grids]:
         types = [[0] * (L - len(r.types)) + r.types for r in rows]
         inputs["mm_token_type_ids"] = torch.tensor(types, device=device)  # (n, L)
         inputs["pixel_values"] = torch.cat([p for r in rows for p in r.pixels]).to(device)
@@ -174,31 +162,31 @@ def _tool_turn(row: _Row, text: str, result: tools.ToolResult, use: ToolUse) -> 
     return True
 
 
-def _take_turn(row: _Row, new: list[int], logp: list[float], ends: list[int], use: ToolUse) -> None:
-    """After the row's model turn `new` (up to its first stop, or cut at its allowance): record it, and run
-    its tool call if it ends with one."""
+def _take_turn(
+    row: _Row, new: list[int], logp: list[float], ends: list[int], budget: int, use: ToolUse
+) -> None:
+    """After the row's model turn `new` (through its first stop, or cut at its allowance): record it, and run
+    its tool call if it ends with one and may (`budget`: the model's tokens over all turns)."""
     row.ids += new
     row.types += [0] * len(new)
     row.mask += [True] * len(new)
     row.logp += logp
-    text = data.decode_completions(
-        use.tokenizer, torch.tensor([new]), torch.ones(1, len(new), dtype=torch.bool), ends
-    )[0]
+    everything = torch.ones(1, len(new), dtype=torch.bool)
+    text = data.decode_completions(use.tokenizer, torch.tensor([new]), everything, ends)[0]  # no end of turn
     row.pieces.append(text)
     row.turns.append(turn := {"text": text})
-    stop = new[-1] if new else None
-    row.done = True
+    row.done, stop = True, new[-1] if new else None
     if stop in ends:  # the final answer
         return
-    row.truncated = True  # unless a tool call runs and its turn fits
-    if stop != use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END):  # the budget ran out mid-turn
+    row.truncated = True  # unless a call runs and its turn fits; a turn the budget cut ends the rollout
+    if stop != use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END) or sum(row.mask) >= budget:
         return
-    if sum("call" in t for t in row.turns) >= use.max_tool_calls:  # NOTE: not run; the rollout ends on it
+    if row.calls == use.max_tool_calls:  # NOTE: not run; the rollout ends on it
         turn["call"] = {"error": "too_many_calls"}
         row.errors.append("too_many_calls")
         return
     result = tools.run_call(text, row.sample, use.tools, frame=use.frame, image_processor=use.image_processor)
-    turn["call"] = result.record
+    turn["call"], row.calls = result.record, row.calls + 1
     row.errors += [result.error] if result.error is not None else []
     row.done = row.truncated = not _tool_turn(row, text, result, use)
 
@@ -218,20 +206,21 @@ def sample(
     turn: `grpo.sample_completions` with `sampling` (data.sampling_options) on the rows still running, their
     tool calls run, the tool turns appended. [return_logprobs: generate's log-probs, for tests.]"""
     rows, device = _rows(batch, samples, group_size), batch.inputs["input_ids"].device
-    ends = list(sampling["eos_token_id"])
+    ends, budget = list(sampling["eos_token_id"]), sampling["max_new_tokens"]  # budget: over all turns
     stops = [*ends, use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)]  # end of turn, or a call
-    budget = sampling["max_new_tokens"]  # the model's tokens over all turns
     while running := [r for r in rows if not r.done]:
-        # Each row's allowance: its share of the token budget left, and of the length bound.
-        allowance = [min(budget - r.model_tokens, use.max_length - len(r.ids)) for r in running]
+        # Each row's allowance: what is left of the model's token budget and of the length bound.
+        allowance = [min(budget - sum(r.mask), use.max_length - len(r.ids)) for r in running]
         options = dict(sampling, max_new_tokens=max(allowance), eos_token_id=stops)
         inputs = _left_padded(running, sampling["pad_token_id"], device)
-        ids, logp = grpo.sample_completions(model, inputs, **options, return_logprobs=return_logprobs)
+        ids, logp = grpo.sample_completions(
+            model, inputs, **options, return_logprobs=return_logprobs
+        )  # (n, T')
         for i, (row, room) in enumerate(zip(running, allowance)):
-            new = ids[i, :room].tolist()  # (<= T,) cut at the row's allowance
-            stop = next((k for k, t in enumerate(new) if t in stops), len(new) - 1)
-            new = new[: stop + 1]  # through its first stop; padding after it dropped
-            _take_turn(row, new, logp[i, : len(new)].tolist() if logp is not None else [], ends, use)
+            new = ids[i, :room].tolist()  # cut at the row's allowance
+            end = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))  # through its first stop
+            turn_logp = logp[i, :end].tolist() if logp is not None else []
+            _take_turn(row, new[:end], turn_logp, ends, budget, use)
     return _collect(rows, batch, group_size, sampling["pad_token_id"], return_logprobs)
 
 
@@ -240,46 +229,30 @@ def _collect(
 ) -> Rollouts:
     """The finished rows as tensors: the prompts as `batch` padded them, completions right-padded to T."""
     device = batch.inputs["input_ids"].device
-    inputs = data.repeat_rows(batch, group_size).inputs  # (N, P) ids and attention mask
-    completions = [r.ids[r.prompt_length :] for r in rows]
-    T = max(len(c) for c in completions)
-    as_tensor = lambda values, pad, **kw: torch.tensor(
-        [v + [pad] * (T - len(v)) for v in values], device=device, **kw
-    )  # noqa: E731
-    completion_ids = as_tensor(completions, pad_token_id)  # (N, T)
-    mask = as_tensor([r.mask for r in rows], False)  # (N, T)
-    grids = [g for r in rows for g in r.grids]
-    if grids:  # every image of each row, rows in order; image tokens marked over prompt AND completion
-        P = inputs["input_ids"].shape[1]
-        types = [[0] * (P - r.prompt_length) + r.types for r in rows]
-        inputs["mm_token_type_ids"] = torch.tensor([t + [0] * (P + T - len(t)) for t in types], device=device)
+    inputs = data.repeat_rows(batch, group_size).inputs  # (N, P) ids and attention mask, as `rollout`'s
+    P, T = inputs["input_ids"].shape[1], max(len(r.ids) - r.prompt_length for r in rows)
+
+    def padded(lists: list[list], pad, width: int = T) -> Tensor:  # right-padded: (N, width)
+        return torch.tensor([x + [pad] * (width - len(x)) for x in lists], device=device)
+
+    if grids := [g for r in rows for g in r.grids]:  # each row's images in order; their tokens over P + T
+        types = [[0] * (P - r.prompt_length) + r.types for r in rows]  # left padding, prompt, completion
+        inputs["mm_token_type_ids"] = padded(types, 0, P + T)  # (N, P + T)
         inputs["pixel_values"] = torch.cat([p for r in rows for p in r.pixels]).to(device)
         inputs["image_grid_thw"] = torch.stack(grids).to(device)  # (images, 3)
-    counts = {
-        "calls": [
-            sum("call" in t and t["call"].get("error") != "too_many_calls" for t in r.turns) for r in rows
-        ]
-    }
-    counts["errors"] = [len(r.errors) for r in rows]
+    counts = {"calls": [r.calls for r in rows], "errors": [len(r.errors) for r in rows]}
     counts |= {f"errors/{kind}": [r.errors.count(kind) for r in rows] for kind in ERROR_KINDS}
-    texts = [r.pieces[-1] if r.turns else "" for r in rows]
+    calls = [[t["call"] for t in r.turns if "call" in t] for r in rows]
     return Rollouts(
         inputs=inputs,
-        completion_ids=completion_ids,
-        mask=mask,
+        completion_ids=padded([r.ids[r.prompt_length :] for r in rows], pad_token_id),
+        mask=padded([r.mask for r in rows], False),
         truncated=torch.tensor([r.truncated for r in rows], device=device),
         texts=[r.turns[-1]["text"] for r in rows],
-        samples=[
-            {
-                **r.sample,
-                "trajectory": "".join(r.pieces),
-                "tool_calls": [t["call"] for t in r.turns if "call" in t],
-            }
-            for r in rows
-        ],
+        samples=[{**r.sample, "trajectory": "".join(r.pieces), "tool_calls": c} for r, c in zip(rows, calls)],
         turns=[r.turns for r in rows],
         counts={key: torch.tensor(values, device=device) for key, values in counts.items()},
-        logp=as_tensor([r.logp for r in rows], 0.0) if return_logprobs else None,
+        logp=padded([r.logp for r in rows], 0.0) if return_logprobs else None,
     )
 
 
