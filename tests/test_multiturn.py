@@ -1,0 +1,315 @@
+"""Multi-turn rollouts with tool calls (multiturn.py), against independent references.
+
+1. On Qwen2.5-VL, Qwen2-VL and Qwen3-VL (conftest's tiny random models, the embedded tokenizer with the two
+   call tags added): the recompute of a 3-turn rollout with 2 returned images, in one forward (and through
+   the frozen trunk in micro-batches), equals generate's log-probs on every model-written token; and equals
+   one forward over the same conversation rendered from scratch by the chat template with all its images.
+2. The mask: exactly zero gradient reaches the positions that predict tool-inserted tokens; the loss's
+   normalisers count the model's tokens only.
+3. A scripted policy (its turns written by hand) makes every malformed call: each is answered with its error
+   and counted; a call past --max-tool-calls and the length bound end the rollout, truncated.
+4. train.py: --max-tool-calls 0 never enters multiturn.py; a run with tools, interrupted and resumed, equals
+   an uninterrupted one byte for byte; 2 gloo ranks give the one-process update on a multi-turn rollout.
+The random models write calls by chance (their sampler allowed a few tokens only), and a stand-in tool
+answers every call with a crop of the sample's image and a line of text, so that images come back.
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_CHECKPOINT, VLM_FAMILIES, make_run, train_args
+from PIL import Image
+from test_families import adapted
+from transformers import AutoImageProcessor, AutoTokenizer
+
+import data
+import grpo
+import lora
+import model_io
+import multiturn
+import speedups
+import tools
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+# The embedded template, with a tool turn rendered as Qwen2.5's: a user turn inside <tool_response> tags.
+TOOL_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}{{ '<|im_start|>user\n<tool_response>\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + message['role'] + '\n' }}{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}{{ '\n</tool_response>' }}{%- endif -%}{{ '<|im_end|>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+G = 4
+
+
+def tool_tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
+    tokenizer.add_tokens([tools.TOOL_CALL_START, tools.TOOL_CALL_END])  # non-special, as in Qwen's
+    tokenizer.chat_template = TOOL_TEMPLATE
+    return tokenizer
+
+
+def crop_box(text: str) -> tuple[int, int, int, int]:
+    """The stand-in tool's crop, a function of the call's text: sizes differ, so do the image grids."""
+    n = text.count("x") + 2 * text.count("a")
+    return (0, 0, 28 + 14 * (n % 3), 28 + 14 * ((n + 1) % 3))
+
+
+def stand_in_call(call_text: str, sample: dict, tools_: dict, *, frame, image_processor=None):
+    box = crop_box(call_text)
+    crop = data.load_image(sample["images"][0], sample).crop(box)
+    record = {"name": "zoom", "arguments": None, "error": None, "text": "ok", "images": [{"crop": list(box)}]}
+    return tools.ToolResult([{"type": "image", "image": crop}, {"type": "text", "text": "ok"}], None, record)
+
+
+def image(colour, size) -> Image.Image:
+    return Image.new("RGB", size, colour)
+
+
+SAMPLES = [
+    {"id": "a", "images": [image((200, 10, 10), (56, 56))], "prompt": "look"},
+    {"id": "b", "images": [image((10, 200, 10), (84, 56))], "prompt": "a b"},
+]
+
+
+def three_turn_rollout(model, tokenizer, image_processor, monkeypatch, temperature=0.7):
+    """A rollout of 2 prompts x G with at least one row of 3 model turns and 2 returned images."""
+    monkeypatch.setattr(tools, "run_call", stand_in_call)
+    call_end = tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
+    allowed = [tokenizer.eos_token_id, call_end, 71, 94]  # <|im_end|>, </tool_call>, "a", "x"
+    options = data.sampling_options(tokenizer, max_new_tokens=24, temperature=temperature)
+    options["suppress_token_ids"] = [t for t in range(len(tokenizer)) if t not in allowed]
+    use = multiturn.ToolUse({}, 2, tokenizer, image_processor, None, max_length=4096)
+    batch = data.prepare_prompts(SAMPLES, tokenizer, image_processor, device="cpu")
+    for seed in range(20):
+        torch.manual_seed(seed)
+        turns = multiturn.sample(
+            model, batch, SAMPLES, use, group_size=G, sampling=options, return_logprobs=True
+        )
+        three = [i for i, t in enumerate(turns.turns) if len(t) == 3 and not turns.truncated[i]]
+        if three and turns.counts["calls"][three[0]] == 2:
+            return turns, three[0]
+    raise AssertionError("no 3-turn row in 20 seeds")
+
+
+def make_model(family: str, tokenizer) -> torch.nn.Module:
+    """A tiny random model of `family` for the tokenizer, LoRA in its last 2 blocks with B != 0."""
+    return adapted(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tool_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def image_processor():
+    return AutoImageProcessor.from_pretrained(TINY_CHECKPOINT)
+
+
+# --- 1. the recompute of a multi-turn sequence -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_recompute_equals_generation_logprobs_on_every_model_token_of_a_three_turn_rollout(
+    family, tokenizer, image_processor, monkeypatch
+):
+    model = make_model(family, tokenizer)
+    turns, row = three_turn_rollout(model, tokenizer, image_processor, monkeypatch)
+    grids = turns.inputs["image_grid_thw"]
+    assert grids.shape[0] > 2 * G  # tool images beyond the prompts' one per row
+    assert (turns.inputs["mm_token_type_ids"][:, -turns.completion_ids.shape[1] :] == 1).any()
+    mask = turns.mask
+    with torch.no_grad():
+        logp, _ = grpo.completion_logprobs(model, turns.inputs, turns.completion_ids, temperature=0.7)
+        # The frozen trunk captured once, in micro-batches of 3 rows that cut through groups and images.
+        plan = speedups.choose(model, speedups.SpeedConfig(micro_batch_size=3), last_k=2)
+        chunks = speedups.row_chunks(model, turns.inputs, turns.completion_ids, None, plan)
+        trunk = torch.cat([speedups.chunk_logprobs(model, c, plan, temperature=0.7)[0] for c in chunks])
+    full = (logp - turns.logp)[mask].abs().max().item()
+    chunked = (trunk - turns.logp)[mask].abs().max().item()
+    print(f"{family}: recompute vs generate, max |delta| {full:.1e}; trunk in micro-batches {chunked:.1e}")
+    assert full <= 1e-5 and chunked <= 1e-5
+    assert (
+        mask[row].sum() < (turns.completion_ids[row] != tokenizer.pad_token_id).sum()
+    )  # tool turns unmasked
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_a_multi_turn_sequence_has_the_logprobs_of_its_conversation_rendered_from_scratch(
+    family, tokenizer, image_processor, monkeypatch
+):
+    model = make_model(family, tokenizer)
+    turns, row = three_turn_rollout(model, tokenizer, image_processor, monkeypatch)
+    sample, texts = turns.samples[row], [t["text"] for t in turns.turns[row]]
+    # The conversation as a user would write it: each model turn, each tool answer (its crop and text).
+    crops = [data.load_image(sample["images"][0], sample).crop(crop_box(t)) for t in texts[:2]]
+    answer = [{"type": "image"}, {"type": "text", "text": "ok"}]
+    messages = [*data.sample_messages(sample), {"role": "assistant", "content": texts[0]}]
+    messages += [{"role": "tool", "content": answer}, {"role": "assistant", "content": texts[1]}]
+    messages += [{"role": "tool", "content": answer}, {"role": "assistant", "content": texts[2]}]
+    conversation = {"id": "c", "messages": messages, "images": [sample["images"][0], *crops]}
+    scratch = data.prepare_prompts([conversation], tokenizer, image_processor, device="cpu").inputs
+    # Its tokens: the row's prompt and completion (the template then adds "\n<|im_start|>assistant\n").
+    T = int(turns.mask[row].nonzero().max()) + 1  # through the final end of turn
+    real = turns.inputs["attention_mask"][row].bool()
+    sequence = torch.cat([turns.inputs["input_ids"][row][real], turns.completion_ids[row, :T]])
+    assert torch.equal(scratch["input_ids"][0, : len(sequence)], sequence)
+    with torch.no_grad():
+        logits = model(**scratch).logits[0].float()  # (L, V) one forward, positions from scratch
+        logp, _ = grpo.completion_logprobs(model, turns.inputs, turns.completion_ids, temperature=1.0)
+    start = len(sequence) - T  # the first completion token's index in the from-scratch sequence
+    reference = torch.log_softmax(logits[start - 1 : start + T - 1], -1).gather(-1, sequence[start:, None])[
+        :, 0
+    ]
+    delta = (logp[row, :T] - reference)[turns.mask[row, :T]].abs().max().item()
+    print(f"{family}: multi-turn sequence vs the conversation rendered from scratch, max |delta| {delta:.1e}")
+    assert delta <= 1e-5
+
+
+# --- 2. the mask: the model's own tokens only ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+def test_tool_inserted_tokens_get_exactly_zero_gradient_and_normalisers_count_model_tokens_only(
+    loss_type, tokenizer, image_processor, monkeypatch
+):
+    model = make_model("qwen2.5-vl", tokenizer)
+    turns, _ = three_turn_rollout(model, tokenizer, image_processor, monkeypatch, temperature=1.0)
+    args = train_args(loss_type=loss_type, beta=0.0, group_size=G, max_new_tokens=24)
+    args.speed.shared_prefill = args.speed.trunk_reuse = False
+    run = make_run(model, args)
+    N, T = turns.completion_ids.shape
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * (N // 4))  # by hand
+    chunks = speedups.row_chunks(model, turns.inputs, turns.completion_ids, None, run.speed)
+    fields = dict(texts=[], samples=[], reward=adv, components={}, adv=adv, chunks=chunks)
+    ro = train.Rollout(turns.inputs, turns.completion_ids, turns.mask, turns.truncated, **fields)
+    norm = speedups.decoder_parts(model, 2)["norm"]
+    hidden = []
+    with norm.register_forward_hook(lambda module, args, out: hidden.append(out) or out.retain_grad()):
+        loss, _, _ = train.accumulate_policy_gradient(run, ro, args, beta=0.0)
+    grad = hidden[0].grad[:, -T - 1 : -1]  # (N, T, H): the positions that predict completion token t
+    per_position = grad.abs().sum(-1)  # (N, T)
+    assert bool((per_position[~turns.mask] == 0).all())  # tool turns and padding: exactly zero
+    assert bool((per_position[turns.mask] > 0).all())
+    # At ratio 1 each model token adds -A_i: dapo divides by the model's tokens, dr_grpo by N * 24.
+    L = turns.mask.sum(1).float()  # (N,) the model's tokens per row; tool tokens not counted
+    expected = -(adv * L).sum() / (L.sum() if loss_type == "dapo" else N * 24)
+    assert loss == pytest.approx(expected.item(), abs=1e-6)
+    last = torch.where(turns.mask, torch.arange(T), -1).max(dim=1).values  # (N,) each row's final token
+    assert ((~turns.mask) & (torch.arange(T) < last[:, None])).any()  # tool turns between model turns
+
+
+# --- 3. a scripted policy: every malformed call, the limits -----------------------------------------------
+
+
+def call(name, **arguments) -> str:
+    return f"{tools.TOOL_CALL_START}{json.dumps({'name': name, 'arguments': arguments})}{tools.TOOL_CALL_END}"
+
+
+SCRIPT = {  # case -> the policy's turns, in order; the turn after the last is "done"
+    "case 0": [call("zoom", image=0, bbox_2d=[56, 28, 112, 84])],
+    "case 1": [f"{tools.TOOL_CALL_START}{{'name': zoom}}{tools.TOOL_CALL_END}", call("pan", dx=1)],
+    "case 2": [call("zoom", image=0), call("zoom", image=0, bbox_2d=[0, 0, 500, 28])],
+    "case 3": [
+        call("zoom", image=3, bbox_2d=[0, 0, 5, 5]),
+        call("boom"),
+        call("zoom", image=0, bbox_2d=[0, 0, 9, 9]),
+    ],
+}
+
+
+def scripted_sampler(tokenizer):
+    """grpo.sample_completions for a policy that writes SCRIPT: its prompt says which case, its tool turns so
+    far which turn; the tokens padded, cut at max_new_tokens as generate would."""
+
+    def sample_completions(model, inputs, *, max_new_tokens, eos_token_id, pad_token_id, **options):
+        rows = []
+        for ids in inputs["input_ids"]:
+            text = tokenizer.decode(ids)
+            turns = SCRIPT[re.search(r"case \d", text)[0]]
+            k = text.count("<tool_response>")
+            turn = turns[k] if k < len(turns) else "done"
+            written = tokenizer(turn, add_special_tokens=False)["input_ids"]
+            rows.append((written + ([] if k < len(turns) else [tokenizer.eos_token_id]))[:max_new_tokens])
+        T = max(map(len, rows))
+        return torch.tensor([row + [pad_token_id] * (T - len(row)) for row in rows]), None
+
+    return sample_completions
+
+
+def scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path, **limits) -> multiturn.Rollouts:
+    (tmp_path / "boom.py").write_text("def boom(arguments, sample):\n    raise RuntimeError('no')\n")
+    monkeypatch.setattr(grpo, "sample_completions", scripted_sampler(tokenizer))
+    loaded = tools.load_tools(["zoom", f"{tmp_path / 'boom.py'}:boom"])
+    use = multiturn.ToolUse(loaded, 2, tokenizer, image_processor, "absolute", limits.get("max_length", 4096))
+    samples = [{"id": c, "images": [image((9, 99, 9), (112, 84))], "prompt": c} for c in SCRIPT]
+    options = data.sampling_options(
+        tokenizer, max_new_tokens=limits.get("max_new_tokens", 200), temperature=1.0
+    )
+    batch = data.prepare_prompts(samples, tokenizer, image_processor, device="cpu")
+    return multiturn.sample(None, batch, samples, use, group_size=1, sampling=options)
+
+
+def test_every_malformed_call_is_answered_with_its_error_and_counted(
+    tokenizer, image_processor, monkeypatch, tmp_path
+):
+    turns = scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path)
+    kinds = [[(t.get("call") or {}).get("error") for t in row] for row in turns.turns]
+    assert kinds == [
+        [None, None],
+        ["invalid_json", "unknown_tool", None],
+        ["bad_arguments", "bad_box", None],
+        ["bad_image_index", "tool_raised", "too_many_calls"],
+    ]
+    counts = {key: values.tolist() for key, values in turns.counts.items() if values.any()}
+    assert counts == {
+        "calls": [1, 2, 2, 2],
+        "errors": [0, 2, 2, 3],
+        **{f"errors/{kind}": [0, 1, 0, 0] for kind in ("invalid_json", "unknown_tool")},
+        **{f"errors/{kind}": [0, 0, 1, 0] for kind in ("bad_arguments", "bad_box")},
+        **{f"errors/{kind}": [0, 0, 0, 1] for kind in ("bad_image_index", "tool_raised", "too_many_calls")},
+    }
+    metrics = multiturn.tool_metrics(turns.counts)
+    assert metrics["tools/calls"] == 7 / 4 and metrics["tools/errors/bad_box"] == 1 / 4
+    assert turns.truncated.tolist() == [False, False, False, True]  # the call past the limit ends it
+    for row, trajectory in enumerate(
+        s["trajectory"] for s in turns.samples
+    ):  # each error is the tool's answer
+        assert all(
+            f"error: {kind}: " in trajectory for kind in kinds[row] if kind not in (None, "too_many_calls")
+        )
+    assert turns.texts == ["done", "done", "done", call("zoom", image=0, bbox_2d=[0, 0, 9, 9])]
+    assert turns.samples[1]["tool_calls"] == [t["call"] for t in turns.turns[1][:2]]
+    # Case 0's zoom: the crop of original pixels [56, 28, 112, 84] came back as 4 visual tokens, unmasked.
+    zoomed = turns.turns[0][0]["call"]
+    assert zoomed["images"] == [{"crop": [56, 28, 112, 84], "size": [56, 56]}]
+    types = turns.inputs["mm_token_type_ids"][0, -turns.completion_ids.shape[1] :]  # (T,) the completion's
+    assert int(types.sum()) == 4 and not bool(turns.mask[0][types == 1].any())
+    assert turns.inputs["image_grid_thw"].shape[0] == 4 + 1  # each prompt's image and the crop
+    print(
+        json.dumps(
+            {"trajectory": turns.samples[0]["trajectory"], "turns": turns.turns[0]}, ensure_ascii=False
+        )
+    )
+
+
+def test_the_token_budget_and_the_length_bound_end_a_rollout_truncated(
+    tokenizer, image_processor, monkeypatch, tmp_path
+):
+    budget = scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path, max_new_tokens=12)
+    assert budget.truncated.all() and budget.mask.sum(1).max() == 12  # the model's tokens over all turns
+    # Case 0: a prompt of 33 tokens and a call of 72 fit in 120; the tool turn after them (its crop) does not.
+    bound = scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path, max_length=120)
+    assert bound.truncated[0] and len(bound.turns[0]) == 1 and bound.turns[0][0]["call"]["error"] is None
+    assert bound.counts["calls"][0] == 1 and bound.mask[0].all()  # it ran, but nothing was inserted
