@@ -17,6 +17,7 @@ answers every call with a crop of the sample's image and a line of text, so that
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -27,12 +28,15 @@ from PIL import Image
 from test_families import adapted
 from transformers import AutoImageProcessor, AutoTokenizer
 
+import cli
 import data
+import distributed
 import grpo
 import lora
 import model_io
 import multiturn
 import speedups
+import tasks
 import tools
 import train
 
@@ -313,3 +317,170 @@ def test_the_token_budget_and_the_length_bound_end_a_rollout_truncated(
     bound = scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path, max_length=120)
     assert bound.truncated[0] and len(bound.turns[0]) == 1 and bound.turns[0][0]["call"]["error"] is None
     assert bound.counts["calls"][0] == 1 and bound.mask[0].all()  # it ran, but nothing was inserted
+
+
+# --- 4. train.py with tools --------------------------------------------------------------------------------
+
+
+def save_tools_checkpoint(directory: Path) -> Path:
+    """The embedded tiny model with the two call tags, written as often as its end of turn (their LM head
+    rows are its row), and the tool template: it calls tools by chance, the stand-in answers with images."""
+    model, _, image_processor = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    tokenizer = tool_tokenizer()
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        for tag in (tools.TOOL_CALL_START, tools.TOOL_CALL_END):
+            head[tokenizer.convert_tokens_to_ids(tag)] = head[tokenizer.eos_token_id]
+    model_io.save_model(model, tokenizer, image_processor, directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tools_checkpoint(tmp_path_factory) -> Path:
+    return save_tools_checkpoint(tmp_path_factory.mktemp("tools") / "model")
+
+
+TOOLS_RUN = dict(tools=("zoom",), max_tool_calls=2, batch_size=2, group_size=2, max_new_tokens=16)
+TOOLS_RUN |= dict(train_size=16, eval_size=2, eval_every=2, save_every=100, warmup_steps=1, seed=3)
+
+
+def test_max_tool_calls_0_never_enters_the_multi_turn_rollout(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("multiturn.sample was called")
+
+    monkeypatch.setattr(multiturn, "sample", refuse)
+    train.main(train_args(output_dir=str(tmp_path / "run"), steps=1, batch_size=2, group_size=2, eval_size=2))
+    lines = [(tmp_path / "run" / f"{name}.jsonl").read_text() for name in ("metrics", "rollouts")]
+    assert "tools/" not in lines[0] and '"turns"' not in lines[1]
+
+
+def test_a_run_with_tools_interrupted_and_resumed_equals_an_uninterrupted_one(
+    tools_checkpoint, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(tools, "run_call", stand_in_call)
+    flags = dict(TOOLS_RUN, model=str(tools_checkpoint), steps=3, micro_batch_size=3)
+    train.main(train_args(output_dir=str(tmp_path / "whole"), **flags))
+    assert "shared prefill is off" in capsys.readouterr().out
+    real_update, calls = train.policy_update, []
+
+    def update_then_signal(*args, **kwargs):
+        stats = real_update(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 2 is still running
+        return stats
+
+    monkeypatch.setattr(train, "policy_update", update_then_signal)
+    with pytest.raises(SystemExit, match="stopped after step 2"):
+        train.main(train_args(output_dir=str(tmp_path / "cut"), **flags))
+    monkeypatch.setattr(train, "policy_update", real_update)
+    train.main(train_args(output_dir=str(tmp_path / "cut"), resume=str(tmp_path / "cut"), **flags))
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+    rows = [json.loads(line) for line in (tmp_path / "whole" / "rollouts.jsonl").read_text().splitlines()]
+    images = [c["images"] for r in rows for t in r["turns"] if (c := t.get("call")) and c["images"]]
+    assert len(images) >= 2  # tools answered with images, in more than one step's rollout
+    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("tools/calls", 0) for r in records) > 0 and "tools/errors/bad_box" in records[1]
+    assert "eval/tools/calls" in records[0] and "eval/tools/calls" in records[2]  # steps 0 and 2
+
+
+def test_a_tokenizer_without_the_call_tags_and_dynamic_sampling_are_refused_with_tools(tmp_path):
+    with pytest.raises(cli.UsageError, match="--tools: .*has no <tool_call> and </tool_call> tokens"):
+        train.main(train_args(output_dir=str(tmp_path / "a"), steps=1, tools=("zoom",), max_tool_calls=1))
+    with pytest.raises(cli.UsageError, match="--dynamic-sampling: cannot be combined with --max-tool-calls"):
+        train.main(train_args(output_dir=str(tmp_path / "b"), dynamic_sampling=True, **TOOLS_RUN))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# 2 gloo ranks, each on its B prompts' rows of one multi-turn rollout, give the one-process update.
+B, WORLD = 2, 2
+
+
+def lora_model(checkpoint: Path):
+    """The checkpoint with LoRA as `main` injects it, B made non-zero so that every A gets a gradient."""
+    model, tokenizer, image_processor = model_io.load_model(
+        str(checkpoint), device="cpu", dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            if torch.count_nonzero(p) == 0:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model, tokenizer, image_processor
+
+
+def update_args() -> train.Args:
+    flags = dict(TOOLS_RUN, group_size=G, batch_size=B, num_iterations=2, micro_batch_size=3, beta=0.04)
+    return train_args(**flags)
+
+
+def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> dict:
+    """One policy_update on this rank's rows of the fixed rollout: the gradients, weights and stats after."""
+    from test_distributed import rank_rollout
+
+    fixed, (model, _, _) = torch.load(fixed_path), lora_model(checkpoint)
+    with torch.no_grad():
+        for p, saved in zip(lora.lora_parameters(model), fixed["lora"]):
+            p.copy_(saved)
+    args, params = update_args(), lora.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=10)
+    run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world)
+    stats = train.policy_update(run, rank_rollout(run, fixed, args, rank, world), args, args.loss.beta)
+    return {
+        "grads": [p.grad.clone() for p in params],
+        "params": [p.detach().clone() for p in params],
+        **stats,
+    }
+
+
+def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
+    tools_checkpoint, tmp_path, monkeypatch
+):
+    from test_distributed import torchrun
+
+    monkeypatch.setattr(tools, "run_call", stand_in_call)
+    model, tokenizer, image_processor = lora_model(tools_checkpoint)
+    args = update_args()
+    use = train.tool_use(args, model, tokenizer, image_processor, rank=1)
+    fields = dict(tokenizer=tokenizer, image_processor=image_processor, tools=use, box_frame=None)
+    run = make_run(model, args, reward_fns=train.resolve_rewards(args, "inspection"), **fields)
+    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    torch.manual_seed(1)
+    ro = train.rollout(run, prompts, args)
+    train.frozen_logprobs(run, ro, args)
+    assert ro.inputs["image_grid_thw"].shape[0] > sum(len(p["images"]) for p in prompts) * G  # tool images
+    for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
+        assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"
+    fields = ("inputs", "completion_ids", "mask", "truncated", "reward", "adv", "old_logp", "ref_logp")
+    lora_weights = [p.detach().clone() for p in lora.lora_parameters(model)]
+    torch.save({"lora": lora_weights, **{k: getattr(ro, k) for k in fields}}, tmp_path / "rollout.pt")
+    torchrun(__file__, str(tmp_path / "rollout.pt"), str(tools_checkpoint), cwd=tmp_path)
+    one = rank_update(tmp_path / "rollout.pt", tools_checkpoint, 0, 1)
+    # Adam divides by sqrt(v): where a gradient is near 0, its rounding moves a weight by up to ~lr * 1e-3.
+    tolerance, delta = {"grads": 1e-6, "params": 1e-5}, {"grads": 0.0, "params": 0.0}
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in ("grads", "params"):
+            for a, b in zip(got[name], one[name], strict=True):
+                torch.testing.assert_close(a, b, atol=tolerance[name], rtol=0, msg=f"rank {rank} {name}")
+                delta[name] = max(delta[name], (a - b).abs().max().item())
+        stats = {k: v for k, v in got.items() if k not in ("grads", "params")}
+        assert stats == pytest.approx(
+            {k: v for k, v in one.items() if k not in ("grads", "params")}, abs=1e-6
+        )
+    assert max(g.abs().max().item() for g in one["grads"]) > 1e-4
+    grads, weights = delta["grads"], delta["params"]
+    print(f"2 ranks vs 1 process with tools: max |delta| grads {grads:.1e}, weights {weights:.1e}")
+
+
+if __name__ == "__main__":  # one rank, launched by the test above through torchrun
+    torch.set_num_threads(1)
+    rank, world = distributed.init_distributed(torch.device("cpu"))
+    fixed_path = Path(sys.argv[1])
+    torch.save(rank_update(fixed_path, Path(sys.argv[2]), rank, world), fixed_path.parent / f"rank{rank}.pt")
+    distributed.finish_distributed()
