@@ -208,7 +208,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     prompts = data.batch_for_step(
         run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
     )
-    ro = rollout(run, prompts, args)  # sample -> mask -> rewards -> advantages
+    ro = (tool_rollout if run.tools else rollout)(run, prompts, args)  # sample, mask, rewards, advantages
     # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
     ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
@@ -241,8 +241,6 @@ def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
 @torch.no_grad()
 def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
-    if run.tools is not None:  # multi-turn, with tool calls (multiturn.py)
-        return tool_rollout(run, prompts, args)
     G, model, ends = args.group_size, run.model, run.sampling["eos_token_id"]
     batch = prompt_batch(run, prompts, args)
     model.eval()
@@ -267,8 +265,9 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
 
 @torch.no_grad()
 def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
-    """`rollout` with tool calls: multi-turn completions, scored on their final answers (the samples carry
-    the trajectory and the calls), the mask on the model's own tokens, each row with its tools' images."""
+    """`rollout` with tool calls (--max-tool-calls > 0): multi-turn completions (multiturn.py), scored on their
+    final answers (the samples carry the trajectory and the calls), the mask on the model's own tokens, each
+    row with its tools' images."""
     batch = prompt_batch(run, prompts, args)
     run.model.eval()
     prompts = data.with_grounding(prompts, batch, run.box_frame)
@@ -749,7 +748,8 @@ def dry_run(run: Run, args: Args) -> dict:
     print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
     params = lora.lora_parameters(run.model)
     print(f"trainable parameters: {sum(p.numel() for p in params):,} in {len(params) // 2} LoRA modules")
-    ro = rollout(run, data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed), args)
+    prompts = data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed)
+    ro = (tool_rollout if run.tools else rollout)(run, prompts, args)
     frozen_logprobs(run, ro, args)
     loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.loss.beta)  # no optimizer step
     run.model.zero_grad(set_to_none=True)
