@@ -265,9 +265,9 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
 
 @torch.no_grad()
 def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
-    """`rollout` with tool calls (--max-tool-calls > 0): multi-turn completions (multiturn.py), scored on their
-    final answers (the samples carry the trajectory and the calls), the mask on the model's own tokens, each
-    row with its tools' images."""
+    """`rollout` with tool calls (--max-tool-calls > 0): multi-turn completions (multiturn.py), scored on
+    their final answers (the samples carry the trajectory and the calls), the mask on the model's own tokens,
+    each row with its tools' images."""
     batch = prompt_batch(run, prompts, args)
     run.model.eval()
     prompts = data.with_grounding(prompts, batch, run.box_frame)
