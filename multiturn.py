@@ -33,6 +33,7 @@ Choices:
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 from torch import Tensor
 
 import data
+import grounding
 import grpo
 import tools
 
@@ -56,6 +58,35 @@ class ToolUse:
     image_processor: Any  # processes the returned images (None: a text-only model)
     frame: str | None  # the frame the model writes boxes in (grounding.py); None: original pixels
     max_length: int  # prompt + completion tokens at most
+
+
+def tool_use(
+    config: tools.ToolConfig,
+    tokenizer,
+    image_processor,
+    *,
+    box_frame: str,
+    model_type: str,
+    max_length: int,
+    suppressed: Sequence[int],
+) -> ToolUse:
+    """A run's ToolUse from --tools / --max-tool-calls: the tools loaded; the call's tags checked (one token
+    each, and not among the `suppressed` ids: a special token is); the frame the model writes boxes in
+    ("auto": its family's, grounding.py). A ValueError names the flag."""
+    loaded = tools.load_tools(config.tools)
+    ids = {tokenizer.convert_tokens_to_ids(tag) for tag in (tools.TOOL_CALL_START, tools.TOOL_CALL_END)}
+    if ids & {None, tokenizer.unk_token_id, *suppressed}:
+        raise ValueError(
+            f"--tools: the tokenizer has no {tools.TOOL_CALL_START} and {tools.TOOL_CALL_END} tokens (each "
+            "one non-special token, as in Qwen's tokenizers) for the model to write a call with"
+        )
+    frame = None
+    if image_processor is not None:
+        try:
+            frame = grounding.frame_for_model_type(model_type) if box_frame == "auto" else box_frame
+        except ValueError as e:
+            raise ValueError(f"--box-frame: {e}") from e
+    return ToolUse(loaded, config.max_tool_calls, tokenizer, image_processor, frame, max_length)
 
 
 @dataclass

@@ -575,30 +575,20 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
 
 
 def tool_use(args: Args, model: torch.nn.Module, tokenizer, image_processor, rank: int) -> multiturn.ToolUse:
-    """--tools and --max-tool-calls: the tools loaded and checked, the model's box frame for their
-    coordinates, the length bound; the speed-ups that cannot carry a multi-turn rollout say so."""
+    """--tools and --max-tool-calls (multiturn.tool_use); the speed-up that cannot carry them says so."""
+    suppressed = sampling_options(args, tokenizer, model.generation_config)["suppress_token_ids"]
+    options = dict(
+        box_frame=args.rewards.box_frame, model_type=model.config.model_type, suppressed=suppressed
+    )
+    max_length = args.samples.max_prompt_length + args.sampling.max_new_tokens
     with cli.user_errors():
-        loaded = tools.load_tools(args.tools.tools)
-    # The call's tags: one token each, never suppressed (a special token is, as vision tokens are).
-    ids = {tokenizer.convert_tokens_to_ids(tag) for tag in (tools.TOOL_CALL_START, tools.TOOL_CALL_END)}
-    suppressed = set(sampling_options(args, tokenizer, model.generation_config)["suppress_token_ids"])
-    tags = f"{tools.TOOL_CALL_START} and {tools.TOOL_CALL_END}"
-    missing = f"{args.model}'s tokenizer has no {tags} tokens (each one non-special token, as Qwen's)"
-    cli.check(not ids & {None, tokenizer.unk_token_id, *suppressed}, "--tools", missing)
-    frame = None
-    if image_processor is not None:
-        with cli.user_errors("--box-frame: "):
-            requested = args.rewards.box_frame
-            frame = (
-                grounding.frame_for_model_type(model.config.model_type) if requested == "auto" else requested
-            )
+        use = multiturn.tool_use(args.tools, tokenizer, image_processor, max_length=max_length, **options)
     print_if(
         rank == 0 and args.speed.shared_prefill,
         "--max-tool-calls: multi-turn rollouts sample with generate, turn by turn (shared prefill is off for "
         "them); trunk reuse and micro-batches carry them",
     )
-    max_length = args.samples.max_prompt_length + args.sampling.max_new_tokens
-    return multiturn.ToolUse(loaded, args.tools.max_tool_calls, tokenizer, image_processor, frame, max_length)
+    return use
 
 
 def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
