@@ -39,6 +39,7 @@ import speedups
 import tasks
 import tools
 import train
+from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 # The embedded template, with a tool turn rendered as Qwen2.5's: a user turn inside <tool_response> tags.
@@ -392,6 +393,27 @@ def test_a_tokenizer_without_the_call_tags_and_dynamic_sampling_are_refused_with
     with pytest.raises(cli.UsageError, match="--dynamic-sampling: cannot be combined with --max-tool-calls"):
         train.main(train_args(output_dir=str(tmp_path / "b"), dynamic_sampling=True, **TOOLS_RUN))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_evaluate_script_runs_tools_and_reports_the_calls(tools_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(tools, "run_call", stand_in_call)
+    output = tmp_path / "eval.jsonl"
+    flags = dict(
+        model=str(tools_checkpoint), eval_size=4, num_samples=4, max_new_tokens=16, output=str(output)
+    )
+    summary = evaluate.main(evaluate.Args(**flags, tools=tools.ToolConfig(("zoom",), max_tool_calls=2)))
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    calls = [n for line in lines for n in line["tool_calls"]]
+    assert summary["base"]["tool_calls/mean"] == sum(calls) / 16 > 0
+    for line in lines:  # each completion: its turns, the last one's text the completion scored
+        assert [turns[-1]["text"] for turns in line["turns"]] == line["completions"]
+        ran = [
+            [t for t in turns if t.get("call", {}).get("error", "") != "too_many_calls"]
+            for turns in line["turns"]
+        ]
+        assert [sum("call" in t for t in turns) for turns in ran] == line["tool_calls"]
+    settings = json.loads(output.with_suffix(".settings.json").read_text())
+    assert settings["tools"] == ["zoom"] and settings["max_tool_calls"] == 2
 
 
 # 2 gloo ranks, each on its B prompts' rows of one multi-turn rollout, give the one-process update.
