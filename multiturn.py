@@ -80,6 +80,9 @@ def tool_use(
             f"--tools: the tokenizer has no {tools.TOOL_CALL_START} and {tools.TOOL_CALL_END} tokens (each "
             "one non-special token, as in Qwen's tokenizers) for the model to write a call with"
         )
+    call = f'{tools.TOOL_CALL_START}{{"name": "zoom", "arguments": {{}}}}{tools.TOOL_CALL_END}'
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": call}]
+    _inserted_text(tokenizer, [*probe, {"role": "tool", "content": [{"type": "text", "text": "ok"}]}])
     frame = None
     if image_processor is not None:
         try:
@@ -161,17 +164,27 @@ def _left_padded(rows: list[_Row], pad_token_id: int, device: torch.device | str
     return inputs
 
 
+def _inserted_text(tokenizer, messages: list[dict]) -> str:
+    """The text the chat template puts between the model's last turn and the next assistant turn: the
+    conversation `messages` (..., assistant turn, tool turn) rendered, minus it rendered up to the model's
+    text. NOTE: a template that renders an earlier turn otherwise than the model wrote it is refused."""
+    template = dict(tokenize=False, add_generation_prompt=True)
+    before = tokenizer.apply_chat_template(messages[:-2], **template) + messages[-2]["content"]
+    after = tokenizer.apply_chat_template(messages, **template)
+    if not after.startswith(before):
+        raise ValueError(
+            "--tools: the chat template renders an assistant turn otherwise than the model wrote it, or no "
+            "tool turn after it; a multi-turn rollout needs the model's text as it is"
+        )
+    return after[len(before) :]
+
+
 def _tool_turn(row: _Row, text: str, result: tools.ToolResult, use: ToolUse) -> bool:
     """Append the tool turn after the model's `text` (ending with `</tool_call>`): the chat template's text
     between it and the next assistant turn, its tokens and its images. False if it does not fit."""
-    template = dict(tokenize=False, add_generation_prompt=True)
-    before = use.tokenizer.apply_chat_template(row.messages, **template) + text
     parts = [{"type": "image"} if p["type"] == "image" else p for p in result.content]
     messages = [*row.messages, {"role": "assistant", "content": text}, {"role": "tool", "content": parts}]
-    after = use.tokenizer.apply_chat_template(messages, **template)
-    if not after.startswith(before):  # NOTE: a template that re-renders earlier turns would desynchronise
-        raise ValueError("the chat template renders an assistant turn otherwise than the model wrote it")
-    inserted = expanded = after[len(before) :]
+    inserted = expanded = _inserted_text(use.tokenizer, messages)
     images = [data.load_image(p["image"], row.sample) for p in result.content if p["type"] == "image"]
     grids, pixels = [], []
     if images:  # as data.prepare_prompts: one <|image_pad|> per visual token; the pixel budget applies
