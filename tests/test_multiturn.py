@@ -473,7 +473,7 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     run = make_run(model, args, reward_fns=train.resolve_rewards(args, "inspection"), **fields)
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
-    ro = train.rollout(run, prompts, args)
+    ro = train.tool_rollout(run, prompts, args)
     train.frozen_logprobs(run, ro, args)
     assert ro.inputs["image_grid_thw"].shape[0] > sum(len(p["images"]) for p in prompts) * G  # tool images
     for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
