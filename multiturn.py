@@ -80,9 +80,18 @@ def tool_use(
             f"--tools: the tokenizer has no {tools.TOOL_CALL_START} and {tools.TOOL_CALL_END} tokens (each "
             "one non-special token, as in Qwen's tokenizers) for the model to write a call with"
         )
+    # The template must render a tool turn after the model's text as it is, and an image in it (a
+    # placeholder per image, else the pixels would have no tokens).
     call = f'{tools.TOOL_CALL_START}{{"name": "zoom", "arguments": {{}}}}{tools.TOOL_CALL_END}'
+    answer = [{"type": "image"}] if image_processor is not None else []
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": call}]
-    _inserted_text(tokenizer, [*probe, {"role": "tool", "content": [{"type": "text", "text": "ok"}]}])
+    inserted = _inserted_text(
+        tokenizer, [*probe, {"role": "tool", "content": [*answer, {"type": "text", "text": "ok"}]}]
+    )
+    if inserted.count(data.IMAGE_PAD) != len(answer):
+        raise ValueError(
+            f"--tools: the chat template renders no {data.IMAGE_PAD} for an image in a tool turn"
+        )
     frame = None
     if image_processor is not None:
         try:
@@ -186,6 +195,8 @@ def _tool_turn(row: _Row, text: str, result: tools.ToolResult, use: ToolUse) -> 
     messages = [*row.messages, {"role": "assistant", "content": text}, {"role": "tool", "content": parts}]
     inserted = expanded = _inserted_text(use.tokenizer, messages)
     images = [data.load_image(p["image"], row.sample) for p in result.content if p["type"] == "image"]
+    if inserted.count(data.IMAGE_PAD) != len(images) or images and use.image_processor is None:
+        raise ValueError(f"a tool turn of {len(images)} images rendered as {inserted!r}")
     grids, pixels = [], []
     if images:  # as data.prepare_prompts: one <|image_pad|> per visual token; the pixel budget applies
         vision = use.image_processor(images=images, return_tensors="pt")

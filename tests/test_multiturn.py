@@ -182,6 +182,23 @@ def test_a_multi_turn_sequence_has_the_logprobs_of_its_conversation_rendered_fro
     assert delta <= 1e-5
 
 
+def test_a_chat_template_that_rewrites_the_models_text_or_drops_tool_images_is_refused(image_processor):
+    tokenizer, config = tool_tokenizer(), tools.ToolConfig(("zoom",), max_tool_calls=1)
+    options = dict(box_frame="auto", model_type="qwen2_5_vl", max_length=99, suppressed=[])
+    assert multiturn.tool_use(config, tokenizer, image_processor, **options).frame == "absolute"
+    image = "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    tokenizer.chat_template = TOOL_TEMPLATE.replace(image, "{%- if false -%}")
+    with pytest.raises(ValueError, match="--tools: the chat template renders no <|image_pad|>"):
+        multiturn.tool_use(config, tokenizer, image_processor, **options)
+    # As a template that writes a call on lines of its own would: the sequence would not be the model's text.
+    content = "{{ message['content'] }}"
+    tokenizer.chat_template = TOOL_TEMPLATE.replace(
+        content, "{{ message['content'] | replace('>{', '>\\n{') }}"
+    )
+    with pytest.raises(ValueError, match="--tools: the chat template renders an assistant turn otherwise"):
+        multiturn.tool_use(config, tokenizer, image_processor, **options)
+
+
 # --- 2. the mask: the model's own tokens only ------------------------------------------------------------
 
 
