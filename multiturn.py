@@ -140,21 +140,18 @@ class Rollouts:
 def _rows(batch: data.PromptBatch, samples: list[dict], group_size: int) -> list[_Row]:
     """The N = B*G rows of B prompts: each prompt's real tokens and images, G times."""
     inputs, rows, first = batch.inputs, [], 0
-    grids = list(inputs["image_grid_thw"]) if "image_grid_thw" in inputs else []  # (3,) each
-    pixels = list(inputs["pixel_values"].split([int(g.prod()) for g in grids])) if grids else []
+    # Images on the CPU, where the tools' are processed; each turn's batch moves them to the device.
+    grids = list(inputs["image_grid_thw"].cpu()) if "image_grid_thw" in inputs else []  # (3,) each
+    pixels = list(inputs["pixel_values"].cpu().split([int(g.prod()) for g in grids])) if grids else []
     types = inputs.get("mm_token_type_ids", torch.zeros_like(inputs["input_ids"]))  # (B, P)
     for b, (sample, n) in enumerate(zip(samples, batch.images_per_row)):
         real = inputs["attention_mask"][b].bool()  # left padding dropped
-        ids, row_types, images = (
-            inputs["input_ids"][b][real].tolist(),
-            types[b][real].tolist(),
-            slice(first, first + n),
-        )
-        for _ in range(group_size):
+        ids, row_types = inputs["input_ids"][b][real].tolist(), types[b][real].tolist()
+        images = slice(first, first + n)
+        for _ in range(group_size):  # each row its own lists: its turns grow them
             messages = list(data.sample_messages(sample))
-            rows.append(
-                _Row(sample, messages, list(ids), list(row_types), pixels[images], grids[images], len(ids))
-            )
+            row = _Row(sample, messages, list(ids), list(row_types), pixels[images], grids[images], len(ids))
+            rows.append(row)
         first += n
     return rows
 
@@ -195,7 +192,7 @@ def _tool_turn(row: _Row, text: str, result: tools.ToolResult, use: ToolUse) -> 
     messages = [*row.messages, {"role": "assistant", "content": text}, {"role": "tool", "content": parts}]
     inserted = expanded = _inserted_text(use.tokenizer, messages)
     images = [data.load_image(p["image"], row.sample) for p in result.content if p["type"] == "image"]
-    if inserted.count(data.IMAGE_PAD) != len(images) or images and use.image_processor is None:
+    if inserted.count(data.IMAGE_PAD) != len(images) or (images and use.image_processor is None):
         raise ValueError(f"a tool turn of {len(images)} images rendered as {inserted!r}")
     grids, pixels = [], []
     if images:  # as data.prepare_prompts: one <|image_pad|> per visual token; the pixel budget applies
@@ -267,10 +264,8 @@ def sample(
         # Each row's allowance: what is left of the model's token budget and of the length bound.
         allowance = [min(budget - sum(r.mask), use.max_length - len(r.ids)) for r in running]
         options = dict(sampling, max_new_tokens=max(allowance), eos_token_id=stops)
-        inputs = _left_padded(running, sampling["pad_token_id"], device)
-        ids, logp = grpo.sample_completions(
-            model, inputs, **options, return_logprobs=return_logprobs
-        )  # (n, T')
+        inputs = _left_padded(running, sampling["pad_token_id"], device)  # the n rows still running
+        ids, logp = grpo.sample_completions(model, inputs, **options, return_logprobs=return_logprobs)
         for i, (row, room) in enumerate(zip(running, allowance)):
             new = ids[i, :room].tolist()  # cut at the row's allowance
             end = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))  # through its first stop
