@@ -234,7 +234,13 @@ def _take_turn(
     if stop != use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END) or sum(row.mask) >= budget:
         return
     if row.calls == use.max_tool_calls:  # NOTE: not run; the rollout ends on it
-        turn["call"] = {"error": "too_many_calls"}
+        turn["call"] = {
+            "name": None,
+            "arguments": None,
+            "error": "too_many_calls",
+            "text": None,
+            "images": [],
+        }
         row.errors.append("too_many_calls")
         return
     result = tools.run_call(text, row.sample, use.tools, frame=use.frame, image_processor=use.image_processor)
