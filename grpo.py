@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -359,12 +360,12 @@ def recompute_inputs(
     """The model inputs for prompt + completion (N, P + T): exactly what generate saw, in one forward pass."""
     check_inputs(inputs)
     # Ones over the whole completion, as generate appends them: tokens after EOS reach only masked positions.
-    ones = torch.ones_like(completion_ids, dtype=inputs["attention_mask"].dtype)  # (N, T)
+    T, ones = completion_ids.shape[1], torch.ones_like(completion_ids, dtype=inputs["attention_mask"].dtype)
     attention_mask = torch.cat([inputs["attention_mask"], ones], dim=1)  # (N, P + T)
     input_ids = torch.cat([inputs["input_ids"], completion_ids], dim=1)  # (N, P + T)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if "mm_token_type_ids" in inputs:  # completion tokens are text (type 0): image tokens are never sampled
-        kwargs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(ones)], dim=1)
+    if "mm_token_type_ids" in inputs:  # (N, P), text after it; (N, P + T'): tool images too (multiturn.py)
+        kwargs["mm_token_type_ids"] = F.pad(inputs["mm_token_type_ids"], (0, T))[:, : input_ids.shape[1]]
     if "image_grid_thw" in inputs:  # 3D mRoPE positions come from mm_token_type_ids + attention_mask
         kwargs.update(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
     else:  # NOTE: numbered from each row's first real token, as generate does; arange agrees only to rounding

@@ -76,9 +76,11 @@ def rollout_records(
     lengths: list[int],
     truncated: list[bool],
     group_size: int,
+    turns: list[list[dict]] | None = None,
 ) -> list[dict]:
     """One JSON-ready dict per sampled completion, for rollouts.jsonl. `samples`: the B prompts' or one per
-    row; every other list has N entries. A length mismatch raises rather than mispair rows and samples."""
+    row; every other list has N entries. A length mismatch raises rather than mispair rows and samples.
+    `turns` (multi-turn rollouts): each row's model turns, each with its tool call's record, in order."""
     N = len(texts)
     columns = {"reward": reward, "adv": adv, "lengths": lengths, "truncated": truncated, **components}
     wrong = {name: len(values) for name, values in columns.items() if len(values) != N}
@@ -89,7 +91,7 @@ def rollout_records(
         )
     if len(samples) != N:
         samples = [sample for sample in samples for _ in range(group_size)]  # one per row
-    return [
+    records = [
         {
             "step": int(step),
             "sample_id": sample.get("id"),
@@ -104,6 +106,9 @@ def rollout_records(
         }
         for i, sample in enumerate(samples)
     ]
+    for record, row_turns in zip(records, turns or []):
+        record["turns"] = row_turns  # the completion above is the last turn's text: the final answer
+    return records
 
 
 def format_duration(seconds: float) -> str:
@@ -125,7 +130,8 @@ def progress_line(
     accuracy: float | None,
 ) -> str:
     """`step  40/100  reward 1.234  kl 0.0123  acc 0.760  2.1 s/step  ETA 2m06s`, plus warnings; kl only when
-    the record has it (beta > 0), acc only once an evaluation has run (the latest one)."""
+    the record has it (beta > 0), acc only once an evaluation has run (the latest one), tool calls and errors
+    per completion only with tools."""
     parts = [f"step {step:>{len(str(total))}}/{total}"]
     if "reward/mean" in record:
         parts.append(f"reward {record['reward/mean']:.3f}")
@@ -133,6 +139,8 @@ def progress_line(
         parts.append(f"kl {record['kl']:.3g}")  # 3 significant digits: early KL is far below 1e-4
     if accuracy is not None:
         parts.append(f"acc {accuracy:.3f}")
+    if "tools/calls" in record:  # per completion
+        parts.append(f"calls {record['tools/calls']:.2f}  errors {record['tools/errors']:.2f}")
     parts.append(f"{seconds_per_step:.{2 if seconds_per_step < 1 else 1}f} s/step")
     parts.append(f"ETA {format_duration(eta_seconds)}")
     if skipped := record.get("skipped"):

@@ -54,9 +54,11 @@ import logs
 import lora
 import memory
 import model_io
+import multiturn
 import rewards
 import speedups
 import tasks
+import tools
 import trackers
 
 
@@ -149,6 +151,8 @@ class Args:
     """LoRA (lora.py): where, its rank and scale."""
     speed: speedups.SpeedConfig = dataclasses.field(default_factory=speedups.SpeedConfig)
     """Speed-ups (speedups.py); each leaves the results unchanged (equal to rounding)."""
+    tools: tools.ToolConfig = dataclasses.field(default_factory=tools.ToolConfig)
+    """Tool calls in multi-turn rollouts (tools.py, multiturn.py)."""
 
 
 # --- One training step: rollout (sample -> score -> advantages), frozen log-probs, policy update ------------
@@ -172,6 +176,7 @@ class Run:
     box_frame: str | None = None  # the frame the model writes coordinates in (None: text-only model)
     sampling: dict = dataclasses.field(default_factory=dict)  # the sampler's options (`sampling_options`)
     speed: speedups.Plan = dataclasses.field(default_factory=speedups.Plan)  # the plain path unless chosen
+    tools: multiturn.ToolUse | None = None  # --max-tool-calls > 0: multi-turn rollouts
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
 
@@ -193,6 +198,8 @@ class Rollout:
     old_logp: torch.Tensor | None = None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
     token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
+    tool_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # tools/calls, tools/errors/..
+    turns: list[list[dict]] | None = None  # each row's turns (multiturn.py), for rollouts.jsonl
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
@@ -202,7 +209,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     prompts = data.batch_for_step(
         run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
     )
-    ro = rollout(run, prompts, args)  # sample -> mask -> rewards -> advantages
+    ro = (tool_rollout if run.tools else rollout)(run, prompts, args)  # sample, mask, rewards, advantages
     # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
     ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
@@ -210,6 +217,7 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
     correct = ro.components[run.accuracy_name] >= 1.0
     metrics = grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size)
+    metrics.update(ro.tool_metrics)  # with tools: calls and errors per completion
     record = {"step": step, "beta": beta, **stats, **distributed.mean_across_ranks(metrics), **counts}
     timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
     return record, timings, ro
@@ -221,7 +229,7 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
         return []
     components = {name: values.tolist() for name, values in ro.components.items()}
     numbers = (ro.reward.tolist(), ro.adv.tolist(), ro.mask.sum(dim=1).tolist(), ro.truncated.tolist())
-    rows = logs.rollout_records(step, ro.samples, ro.texts, components, *numbers, args.group_size)
+    rows = logs.rollout_records(step, ro.samples, ro.texts, components, *numbers, args.group_size, ro.turns)
     return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
 
 
@@ -254,6 +262,39 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
     chunks = speedups.row_chunks(model, inputs, completion_ids, recording, run.speed)
     return Rollout(inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks)
+
+
+@torch.no_grad()
+def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
+    """`rollout` with tool calls (--max-tool-calls > 0): multi-turn completions (multiturn.py), scored on
+    their final answers (the samples carry the trajectory and the calls), the mask on the model's own tokens,
+    each row with its tools' images."""
+    batch = prompt_batch(run, prompts, args)
+    run.model.eval()
+    prompts = data.with_grounding(prompts, batch, run.box_frame)
+    options = dict(group_size=args.group_size, sampling=run.sampling)
+    turns = multiturn.sample(run.model, batch, prompts, run.tools, **options)
+    lengths = turns.mask.sum(1).tolist()  # the model's tokens
+    scores = rewards.score(turns.texts, turns.samples, run.reward_fns, completion_lengths=lengths)
+    mask = turns.mask & ~turns.truncated[:, None] if args.mask_truncated else turns.mask
+    as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
+    reward = as_floats(scores.total)  # (N,)
+    components = {name: as_floats(values) for name, values in scores.components.items()}
+    chunks = speedups.row_chunks(run.model, turns.inputs, turns.completion_ids, None, run.speed)
+    return Rollout(
+        inputs=turns.inputs,
+        completion_ids=turns.completion_ids,
+        mask=mask,
+        truncated=turns.truncated,
+        texts=turns.texts,
+        samples=turns.samples,
+        reward=reward,
+        components=components,
+        adv=advantages(reward, components, run, args),
+        chunks=chunks,
+        tool_metrics=multiturn.tool_metrics(turns.counts),
+        turns=turns.turns,
+    )
 
 
 def advantages(
@@ -426,6 +467,7 @@ def check_args(args: Args) -> None:
     with cli.user_errors():
         for group in (args.samples, args.sampling, args.rewards, args.adv, args.loss, args.lora, args.speed):
             group.check()
+        args.tools.check()
     a = args
     ranges = [
         ("--steps", a.steps >= 1, "must be >= 1"),
@@ -455,6 +497,8 @@ def check_args(args: Args) -> None:
     required = "is required with --data (e.g. --reward label format)"
     cli.check(bool(a.rewards.reward or not a.samples.data), "--reward", required)
     cli.check(a.dist_timeout > 0, "--dist-timeout", f"must be > 0 minutes, got {a.dist_timeout}")
+    multi_turn = "cannot be combined with --max-tool-calls > 0 yet (multi-turn rollouts)"
+    cli.check(not (a.dynamic_sampling and a.tools.max_tool_calls), "--dynamic-sampling", multi_turn)
     flash = a.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn") is not None
     needs = "flash_attention_2 needs the flash-attn package (pip install flash-attn; CUDA only); or use sdpa"
     cli.check(flash, "--attn-implementation", needs)
@@ -578,9 +622,27 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
         box_frame=box_frame,
         sampling=sampling_options(args, tokenizer, model.generation_config),
         speed=speedups.choose(model, speed, last_k=args.lora.lora_last_k),
+        tools=tool_use(args, model, tokenizer, image_processor, rank) if args.tools.max_tool_calls else None,
         rank=rank,
         world=world,
     )
+
+
+def tool_use(args: Args, model: torch.nn.Module, tokenizer, image_processor, rank: int) -> multiturn.ToolUse:
+    """--tools and --max-tool-calls (multiturn.tool_use); the speed-up that cannot carry them says so."""
+    suppressed = sampling_options(args, tokenizer, model.generation_config)["suppress_token_ids"]
+    options = dict(
+        box_frame=args.rewards.box_frame, model_type=model.config.model_type, suppressed=suppressed
+    )
+    max_length = args.samples.max_prompt_length + args.sampling.max_new_tokens
+    with cli.user_errors():
+        use = multiturn.tool_use(args.tools, tokenizer, image_processor, max_length=max_length, **options)
+    print_if(
+        rank == 0 and args.speed.shared_prefill,
+        "--max-tool-calls: multi-turn rollouts sample with generate, turn by turn (shared prefill is off for "
+        "them); trunk reuse and micro-batches carry them",
+    )
+    return use
 
 
 def describe(run: Run, args: Args, dtype: torch.dtype) -> str:
@@ -683,20 +745,28 @@ def evaluate(run: Run, args: Args) -> dict:
     metrics, ends = {}, run.sampling["eos_token_id"]
     greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
     for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
-        totals, correct = [], []
+        totals, correct, calls = [], [], []
         for i in range(0, len(samples), 50):
             chunk = samples[i : i + 50]
             batch = prompt_batch(run, chunk, args)
-            ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
-            mask, _ = grpo.completion_mask(ids, ends)
-            texts = data.decode_completions(run.tokenizer, ids, mask, ends)
             chunk = data.with_grounding(chunk, batch, run.box_frame)
+            if run.tools is None:
+                ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
+                mask, _ = grpo.completion_mask(ids, ends)
+                texts = data.decode_completions(run.tokenizer, ids, mask, ends)
+            else:  # multi-turn: the final answers scored, the trajectories and calls in the samples
+                options = dict(group_size=1, sampling=dict(run.sampling, temperature=0.0))
+                turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
+                texts, chunk, mask = turns.texts, turns.samples, turns.mask
+                calls += turns.counts["calls"].tolist()
             scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
             totals += scores.total
             correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
         if samples:
             metrics[f"eval/accuracy{suffix}"] = sum(correct) / len(correct)
             metrics[f"eval/reward{suffix}"] = sum(totals) / len(totals)
+        if calls:
+            metrics[f"eval/tools/calls{suffix}"] = sum(calls) / len(calls)
     return metrics
 
 
@@ -722,7 +792,8 @@ def dry_run(run: Run, args: Args) -> dict:
     print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
     params = lora.lora_parameters(run.model)
     print(f"trainable parameters: {sum(p.numel() for p in params):,} in {len(params) // 2} LoRA modules")
-    ro = rollout(run, data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed), args)
+    prompts = data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed)
+    ro = (tool_rollout if run.tools else rollout)(run, prompts, args)
     frozen_logprobs(run, ro, args)
     loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.loss.beta)  # no optimizer step
     run.model.zero_grad(set_to_none=True)

@@ -74,9 +74,11 @@ import grounding
 import grpo
 import lora
 import model_io
+import multiturn
 import rewards
 import speedups
 import tasks
+import tools
 from scripts import outputs
 
 
@@ -137,6 +139,9 @@ class Args:
     <stem>.blank.jsonl / <stem>.shuffle.jsonl (each model of --compare too), reported beside the real ones."""
     rewards: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
     """Rewards, as train.py reads them (rewards.py); default: the built-in task's (required with --data)."""
+    tools: tools.ToolConfig = field(default_factory=tools.ToolConfig)
+    """Tool calls, as train.py's (tools.py, multiturn.py): completions are multi-turn, scored on their final
+    answers; each line then has each completion's `turns` and `tool_calls`."""
 
 
 GROUND_TRUTH = ("label", "answer", "bbox", "boxes", "region", "count")
@@ -172,10 +177,12 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
 
 @torch.no_grad()
 def generate(
-    model, tokenizer, image_processor, samples: list[dict], args: Args, device, frame: str | None
+    model, tokenizer, image_processor, samples: list[dict], args: Args, device, frame: str | None, use=None
 ) -> list[dict]:
     """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags, and
-    the `sample` with its image frame for the grounding rewards (data.with_grounding)."""
+    the `sample` with its image frame for the grounding rewards (data.with_grounding). With tools (`use`, a
+    multiturn.ToolUse): multi-turn completions, their final answers as `texts`, the model's tokens as
+    `lengths`, and each completion's own `samples` (its trajectory and calls) and `turns`."""
     k = args.num_samples
     greedy = k == 1
     options = data.sampling_options(
@@ -188,14 +195,26 @@ def generate(
     batch = data.prepare_prompts(
         samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
     )
+    rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
+    samples = data.with_grounding(samples, batch, frame)
+    if use is not None:  # multi-turn, turn by turn (multiturn.py); rows b*k .. b*k+k-1 are sample b's
+        turns = multiturn.sample(model, batch, samples, use, group_size=k, sampling=options)
+        lengths, truncated = turns.mask.sum(1).tolist(), turns.truncated.tolist()
+        return [
+            {"texts": turns.texts[r], "lengths": lengths[r], "truncated": truncated[r], "sample": s}
+            | {
+                "samples": turns.samples[r],
+                "turns": turns.turns[r],
+                "calls": turns.counts["calls"][r].tolist(),
+            }
+            for r, s in zip(rows, samples)
+        ]
     # each prompt's prefill runs once; rows b*k .. b*k+k-1 are sample b's
     ids, _ = speedups.sample_shared_prefill(model, batch.inputs, group_size=k, **options)  # (B*k, T)
     ends = options["eos_token_id"]
     mask, truncated = grpo.completion_mask(ids, ends)  # (B*k, T), (B*k,)
     texts = data.decode_completions(tokenizer, ids, mask, ends)
     lengths, truncated = mask.sum(1).tolist(), truncated.tolist()
-    rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
-    samples = data.with_grounding(samples, batch, frame)
     return [
         {"texts": texts[r], "lengths": lengths[r], "truncated": truncated[r], "sample": s}
         for r, s in zip(rows, samples)
@@ -232,7 +251,8 @@ def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str
     """The output line of one sample and its k completions."""
     texts, lengths = completions["texts"], completions["lengths"]
     grounded = completions["sample"]  # with its image frame, when a reward reads coordinates
-    scores = rewards.score(texts, [grounded] * len(texts), reward_fns, completion_lengths=lengths)
+    scored = completions.get("samples") or [grounded] * len(texts)  # with tools: each its trajectory
+    scores = rewards.score(texts, scored, reward_fns, completion_lengths=lengths)
     correct = [v >= 1.0 for v in scores.components[accuracy_name]]
     record = {"id": sample["_id"], "source": sample["_source"], "completions": texts}
     record.update(rewards=scores.components, total=scores.total)
@@ -243,6 +263,8 @@ def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str
         record["format_valid"] = [rewards.format_reward(t, sample) == 1.0 for t in texts]
     record.update(completion_tokens=lengths, truncated=completions["truncated"])
     record["ground_truth"] = {f: sample[f] for f in GROUND_TRUTH if f in sample}
+    if "turns" in completions:
+        record.update(tool_calls=completions["calls"], turns=completions["turns"])
     return record
 
 
@@ -267,6 +289,9 @@ def summarise(records: list[dict]) -> dict:
         summary["format_valid"] = _mean(valid)
     summary["completion_tokens/mean"] = _mean(n for r in records for n in r["completion_tokens"])
     summary["frac_truncated"] = _mean(t for r in records for t in r["truncated"])
+    calls = [n for r in records for n in r.get("tool_calls", [])]
+    if calls:
+        summary["tool_calls/mean"] = _mean(calls)
     return summary
 
 
@@ -298,7 +323,7 @@ def read_resumable(path: Path) -> list[dict]:
 
 
 def evaluate_to_file(
-    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path, frame
+    model, tokenizer, image_processor, samples, reward_fns, accuracy_name, args, device, path, frame, use=None
 ):
     """Evaluate the samples not yet in `path`, one appended line each; return the whole file's summary.
 
@@ -318,7 +343,7 @@ def evaluate_to_file(
             if all(batch_done):
                 continue
             torch.manual_seed(batch_seed(args.seed, index))
-            generated = generate(model, tokenizer, image_processor, batch, args, device, frame)
+            generated = generate(model, tokenizer, image_processor, batch, args, device, frame, use)
             for sample, completions, written in zip(batch, generated, batch_done):
                 if not written:
                     with reward_errors(sample):
@@ -370,6 +395,11 @@ def settings_of(
         "batch_size": args.batch_size if sampled else None,  # sampled draws are seeded per batch
         "dtype": args.dtype,
         "pixels": [args.min_pixels, args.max_pixels] if args.min_pixels or args.max_pixels else None,
+        **(
+            {"tools": list(args.tools.tools), "max_tool_calls": args.tools.max_tool_calls}
+            if args.tools.tools
+            else {}
+        ),
     }
 
 
@@ -391,6 +421,8 @@ def check_args(args: Args) -> None:
     ):
         cli.check(value >= 1, flag, f"must be >= 1, got {value}")
     cli.check(bool(args.data) or args.eval_size >= 1, "--eval-size", f"must be >= 1, got {args.eval_size}")
+    with cli.user_errors():
+        args.tools.check()
     for flag, paths in (("--data", args.data), ("--prompt-template", [args.prompt_template])):
         for path in paths:
             cli.check(path is None or Path(path).is_file(), flag, f"{path} does not exist (or is not a file)")
@@ -406,7 +438,8 @@ def check_args(args: Args) -> None:
     written += [Path(args.output).with_suffix(".compare.json")] if args.compare else []
     read = {"--data": args.data, "--prompt-template": [args.prompt_template], "--adapter": [args.adapter]}
     read.update({"--model": [args.model] if Path(args.model).is_dir() else []})
-    outputs.refuse_overwriting_inputs({"--output": written}, {**read, "--reward": reward_files(args)})
+    plugins = {"--reward": reward_files(args), "--tools": outputs.plugin_files(args.tools.tools)}
+    outputs.refuse_overwriting_inputs({"--output": written}, {**read, **plugins})
 
 
 def load_model(args: Args, device: torch.device):
@@ -448,6 +481,17 @@ def evaluate(args: Args) -> dict[str, dict]:
         )
     with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
         data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
+    use = None
+    if args.tools.max_tool_calls:  # multi-turn completions with tool calls, as train.py samples them
+        suppressed = data.suppressed_tokens(
+            tokenizer, data.end_of_turn_ids(tokenizer, model.generation_config)
+        )
+        options = dict(
+            box_frame=args.rewards.box_frame, model_type=model.config.model_type, suppressed=suppressed
+        )
+        with cli.user_errors():
+            max_length = args.max_prompt_length + args.max_new_tokens
+            use = multiturn.tool_use(args.tools, tokenizer, image_processor, max_length=max_length, **options)
 
     summaries = {}
     for name, path, adapter_on, ablation in planned_runs(args):
@@ -470,6 +514,7 @@ def evaluate(args: Args) -> dict[str, dict]:
                 device,
                 path,
                 frame,
+                use,
             )
     print_table(summaries)
     if args.compare:
