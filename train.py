@@ -179,7 +179,7 @@ class Run:
 class Rollout:
     """Everything sampled and scored for one batch of N = B*G rows."""
 
-    inputs: dict[str, torch.Tensor]  # N rows: input_ids (N, P), attention_mask, [pixel_values, ...]
+    prompts: data.PromptBatch  # the B prompts once: input_ids (B, P), attention_mask, [pixel_values, ...]
     completion_ids: torch.Tensor  # (N, T)
     mask: torch.Tensor  # (N, T) bool, True up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool, no EOS within max_new_tokens
@@ -189,9 +189,17 @@ class Rollout:
     components: dict[str, torch.Tensor]  # (N,) per reward, unweighted
     adv: torch.Tensor  # (N,)
     chunks: list[speedups.RowChunk]  # the rows as the log-prob passes take them (one chunk on the plain path)
+    recording: torch.Tensor | None = None  # (N, P + T - 1, H) the trunk sampling recorded; chunks view it
     old_logp: torch.Tensor | None = None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
     token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The N rows' model inputs, each prompt's images with its G rows: made when asked, never held (the
+        chunks keep pixels only for a pass that reads them: the plain path's full forward)."""
+        G = self.completion_ids.shape[0] // self.prompts.inputs["input_ids"].shape[0]
+        return data.repeat_rows(self.prompts, G).inputs
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
@@ -250,9 +258,11 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
     adv = advantages(reward, components, run, args)  # (N,)
-    inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
-    chunks = speedups.row_chunks(model, inputs, completion_ids, recording, run.speed)
-    return Rollout(inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks)
+    rows = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
+    chunks = speedups.row_chunks(model, rows, completion_ids, recording, run.speed)  # rows' pixels: if read
+    return Rollout(
+        batch, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks, recording
+    )
 
 
 def advantages(
@@ -350,9 +360,13 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
     --resume stays exact with no stream to save.
     Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: every
     rank shares its groups' completions and scores (small data), the first B*R groups with a signal in
-    (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them."""
+    (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them.
+    The trunk each round recorded (if sampling records one) is kept until the choice: a kept group's rows of
+    it are re-padded into the new batch (`speedups.recording_of_groups`), never run again, except for groups
+    another rank sampled (recordings are large: never sent), whose trunk this rank captures."""
     B, G, R = args.batch_size, args.group_size, run.world
     groups = []  # every rank's groups as plain lists (`group_lists`), in (round, rank, group) order
+    recordings = []  # this rank's (trunk recording, prompt length) of each round, or None
     for k in range(args.max_sampling_rounds):
         if k > 0:
             rounds = dict(sampling_round=k, rounds=args.max_sampling_rounds)
@@ -360,6 +374,7 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
             ro = rollout(run, prompts, args)
         mine = [group_lists(ro, slice(g * G, (g + 1) * G)) for g in range(B)]
         groups += distributed.gather_lists(mine)
+        recordings.append(None if ro.recording is None else (ro.recording, ro.prompts.prompt_length))
         signal = [any(r != group["reward"][0] for r in group["reward"]) for group in groups]
         if sum(signal) >= B * R:
             break
@@ -370,9 +385,16 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
         rounds = dict(sampling_round=i // (B * R), rounds=args.max_sampling_rounds)  # re-derived, never sent
         return data.batch_for_step(run.train_samples, step - 1, B, args.seed, i // B % R, R, **rounds)[i % B]
 
+    def recorded(i: int) -> tuple[torch.Tensor, int] | None:  # global group i's trunk rows, if this rank's
+        if i // B % R != run.rank or recordings[i // (B * R)] is None:
+            return None
+        recording, prompt_length = recordings[i // (B * R)]
+        return recording[i % B * G : (i % B + 1) * G], prompt_length
+
     kept = min(sum(signal), B * R)
     counts = {"dynamic/groups_sampled": len(groups), "dynamic/groups_kept": kept, "dynamic/rounds": k + 1}
-    return rollout_of_groups(run, [sample(i) for i in chosen], [groups[i] for i in chosen], args), counts
+    chosen_groups = ([sample(i) for i in chosen], [groups[i] for i in chosen], [recorded(i) for i in chosen])
+    return rollout_of_groups(run, *chosen_groups, args), counts
 
 
 def group_lists(ro: Rollout, rows: slice) -> dict:
@@ -382,9 +404,12 @@ def group_lists(ro: Rollout, rows: slice) -> dict:
     return {"texts": ro.texts[rows], **{key: values[rows].tolist() for key, values in columns.items()}}
 
 
-def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: Args) -> Rollout:
+def rollout_of_groups(
+    run: Run, samples: list[dict], groups: list[dict], recorded: list[tuple | None], args: Args
+) -> Rollout:
     """One Rollout from the chosen groups (`group_lists`) of B prompts: prompts re-padded together,
-    completions padded to the longest (masks carried over, never recomputed from padding), advantages."""
+    completions padded to the longest (masks carried over, never recomputed from padding), advantages; the
+    trunk from the groups' `recorded` rows where a group has them (`speedups.recording_of_groups`)."""
     T = max(len(group["completion_ids"][0]) for group in groups)
 
     def column(key: str, pad=None, dtype=None) -> torch.Tensor:  # the groups' rows: (N,), or (N, T) padded
@@ -395,9 +420,13 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
     names = [key.removeprefix("reward/") for key in groups[0] if key.startswith("reward/")]
     components = {name: column(f"reward/{name}", dtype=torch.float32) for name in names}
     ids = column("completion_ids", pad=run.tokenizer.pad_token_id)  # (N, T)
-    inputs = data.repeat_rows(prompt_batch(run, samples, args), args.group_size).inputs
+    batch = prompt_batch(run, samples, args)
+    inputs = data.repeat_rows(batch, args.group_size).inputs  # the rows' pixels: only while chunks are made
+    recording = None
+    if any(r is not None for r in recorded):
+        recording = speedups.recording_of_groups(run.model, inputs, ids, recorded, run.speed, args.group_size)
     return Rollout(
-        inputs=inputs,
+        prompts=batch,
         completion_ids=ids,
         mask=column("mask", pad=False),
         truncated=column("truncated"),
@@ -406,7 +435,8 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
         reward=reward,
         components=components,
         adv=advantages(reward, components, run, args),
-        chunks=speedups.row_chunks(run.model, inputs, ids, None, run.speed),
+        chunks=speedups.row_chunks(run.model, inputs, ids, recording, run.speed),
+        recording=recording,
     )
 
 

@@ -77,7 +77,7 @@ def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world
     rows, inputs = speedups.split_rows(fixed["inputs"], n)[rank]
     ids = fixed["completion_ids"][rows]
     return train.Rollout(
-        inputs=inputs,
+        prompts=None,  # the update reads the chunks' rows only
         completion_ids=ids,
         mask=fixed["mask"][rows],
         truncated=fixed["truncated"][rows],
@@ -247,7 +247,7 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
     reward = torch.tensor([0.5 if i % 3 == 0 else float(j % 2) for i, j in rows])
     batch = train.prompt_batch(run, prompts, args)
     return train.Rollout(
-        inputs=data.repeat_rows(batch, G).inputs,
+        prompts=batch,
         completion_ids=ids,
         mask=mask,
         truncated=truncated,
