@@ -79,8 +79,8 @@ class Args:
     """Deterministic algorithms only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8):
     on CUDA a resumed run then repeats an uninterrupted one bit for bit, slower; CPU runs always do."""
     dist_timeout: float = 30.0
-    """torchrun: minutes a rank waits for the others at a collective (rank 0's evaluation, its checkpoint)
-    before the run fails (NCCL's own default: 10)."""
+    """torchrun: minutes a rank waits for the others at a collective (rank 0's checkpoint, a slower rank's
+    step) before the run fails (NCCL's own default: 10)."""
     batch_size: int = 16
     """B: prompts per step (per rank under torchrun: the global batch is B*R prompts)."""
     group_size: int = 8
@@ -652,28 +652,50 @@ def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
 # --- Evaluation, logging, plots -----------------------------------------------------------------------------
 
 
+# Held-out prompts per greedy batch. Under torchrun a rank decodes whole batches of those one process makes:
+# a sample's greedy completion (its batch's padding) is then the same for any number of ranks.
+EVAL_BATCH_SIZE = 50
+
+
 @torch.no_grad()
 def evaluate(run: Run, args: Args) -> dict:
-    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's."""
+    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's.
+    Under torchrun rank r decodes batches r, r + R, ... and the ranks' sums are gathered: every rank returns
+    one process's numbers. A failure on one rank (a reward plug-in) is raised on all: none waits alone."""
     run.model.eval()
-    metrics, ends = {}, run.sampling["eos_token_id"]
-    greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
-    for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
-        totals, correct = [], []
-        for i in range(0, len(samples), 50):
-            chunk = samples[i : i + 50]
-            batch = prompt_batch(run, chunk, args)
-            ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
-            mask, _ = grpo.completion_mask(ids, ends)
-            texts = data.decode_completions(run.tokenizer, ids, mask, ends)
-            chunk = data.with_grounding(chunk, batch, run.box_frame)
-            scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
-            totals += scores.total
-            correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
+    sets = (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated))
+    try:
+        mine = {"sums": [held_out_sums(run, samples, args) for _, samples in sets]}
+    except (Exception, cli.Stopped) as error:
+        distributed.gather_lists([{"failed": getattr(error, "user_message", None) or str(error)}])
+        raise
+    ranks = distributed.gather_lists([mine])  # in rank order; one process: its own
+    failed = [(rank, r["failed"]) for rank, r in enumerate(ranks) if "failed" in r]
+    if failed:
+        raise cli.UsageError(f"evaluation on rank {failed[0][0]}: {failed[0][1]}")
+    metrics = {}
+    for i, (suffix, samples) in enumerate(sets):
         if samples:
-            metrics[f"eval/accuracy{suffix}"] = sum(correct) / len(correct)
-            metrics[f"eval/reward{suffix}"] = sum(totals) / len(totals)
+            metrics[f"eval/accuracy{suffix}"] = sum(r["sums"][i][0] for r in ranks) / len(samples)
+            metrics[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
     return metrics
+
+
+def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float]:
+    """(correct, summed reward) of this rank's greedy batches of `samples` (batches rank, rank + R, ...)."""
+    totals, correct, ends = [], [], run.sampling["eos_token_id"]
+    greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
+    for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
+        chunk = samples[i : i + EVAL_BATCH_SIZE]
+        batch = prompt_batch(run, chunk, args)
+        ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
+        mask, _ = grpo.completion_mask(ids, ends)
+        texts = data.decode_completions(run.tokenizer, ids, mask, ends)
+        chunk = data.with_grounding(chunk, batch, run.box_frame)
+        scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
+        totals += scores.total
+        correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
+    return sum(correct), sum(totals)
 
 
 def print_if(condition: bool, *values) -> None:  # on the writing rank only, not R times
@@ -740,7 +762,8 @@ def train_loop(
     beta: float,
     run_id: str,
 ) -> dict:
-    """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
+    """Steps start_step + 1 .. args.steps; every rank evaluates its share, the writing rank (log is not None)
+    logs and saves."""
     bad_in_a_row = 0
     for step in range(start_step + 1, args.steps + 1):
         rng = checkpoints.rng_state()  # step - 1's checkpoint takes it, should this step fail in user code
@@ -756,14 +779,18 @@ def train_loop(
         if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
             beta = grpo.adapt_beta(beta, record["kl"], args.loss)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-        if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
+        try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
+            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                record.update(evaluate(run, args))
+        except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
             try:
-                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                    record.update(evaluate(run, args))
-            except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
-                log.step(record, timings, completions, bad_in_a_row)
-                failed_step(error, step, run, out, beta, run_id, args)
-                raise
+                if log is not None:
+                    log.step(record, timings, completions, bad_in_a_row)
+                    failed_step(error, step, run, out, beta, run_id, args)
+            finally:
+                distributed.barrier()  # NOTE: torchrun ends every rank once one exits: not before the save
+            raise
+        if log is not None:
             with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
                 log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
@@ -792,7 +819,7 @@ def main(args: Args) -> dict:
             out = checkpoints.run_folder(args.output_dir, args.resume)
         timeout = dict(timeout_minutes=args.dist_timeout)
         rank, world = distributed.init_distributed(device, **timeout)  # (0, 1) without torchrun
-        writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+        writer = rank == 0  # the only rank that writes files and prints progress
         # --dry-run writes nothing: it takes no lock
         held.enter_context(checkpoints.run_folder_lock(out, hold=writer and not args.dry_run))
         with cli.user_errors():
