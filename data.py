@@ -488,15 +488,14 @@ def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -
 
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
     """Expand B prompts to N = B*G rows, each prompt's images with it (see the module docstring)."""
-    G = group_size
     keys = [key for key in ("input_ids", "attention_mask", "mm_token_type_ids") if key in batch.inputs]
-    out = {key: batch.inputs[key].repeat_interleave(G, dim=0) for key in keys}  # (N, P) each
+    out = {key: batch.inputs[key].repeat_interleave(group_size, dim=0) for key in keys}  # (N, P) each
     if "image_grid_thw" in batch.inputs:
         grids_per_row = batch.inputs["image_grid_thw"].split(batch.images_per_row)  # (images of row, 3) each
         pixels_per_row = batch.inputs["pixel_values"].split([int(g.prod(-1).sum()) for g in grids_per_row])
-        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(G)])
-        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(G)])
-    return PromptBatch(inputs=out, images_per_row=[n for n in batch.images_per_row for _ in range(G)])
+        out["image_grid_thw"] = torch.cat([g for g in grids_per_row for _ in range(group_size)])
+        out["pixel_values"] = torch.cat([p for p in pixels_per_row for _ in range(group_size)])
+    return PromptBatch(out, [n for n in batch.images_per_row for _ in range(group_size)])
 
 
 # --- Sampling and decoding: which tokens end or never appear in a completion --------------------------------

@@ -41,7 +41,7 @@ def use_deterministic_algorithms() -> None:
 
 def init_distributed(device: torch.device, *, timeout_minutes: float = 10.0) -> tuple[int, int]:
     """(rank, R) from torchrun's environment. R = 1 creates no process group. A collective that waits longer
-    than `timeout_minutes` for a rank (rank 0 evaluating or saving alone) fails the run."""
+    than `timeout_minutes` for a rank (rank 0 saving alone) fails the run."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not initialized():
         if device.type == "cuda":

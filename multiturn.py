@@ -133,6 +133,7 @@ class Rollouts:
     texts: list[str]  # each row's final answer (its last model turn)
     samples: list[dict]  # each row's sample with "trajectory" and "tool_calls"
     turns: list[list[dict]]  # each row's turns, for rollouts.jsonl
+    images_per_row: list[int]  # the prompt's and the tools' images, in `inputs`' order
     counts: dict[str, Tensor]  # (N,) each: "calls", "errors", "errors/<kind>"
     logp: Tensor | None = None  # (N, T) generation-time log-probs on the model's tokens (return_logprobs)
 
@@ -307,6 +308,7 @@ def _collect(
         texts=[r.turns[-1]["text"] for r in rows],
         samples=[{**r.sample, "trajectory": "".join(r.pieces), "tool_calls": c} for r, c in zip(rows, calls)],
         turns=[r.turns for r in rows],
+        images_per_row=[len(r.grids) for r in rows],
         counts={key: torch.tensor(values, device=device) for key, values in counts.items()},
         logp=padded([r.logp for r in rows], 0.0) if return_logprobs else None,
     )

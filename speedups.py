@@ -353,6 +353,38 @@ def trunk_from_recording(
     return Trunk(hidden_states, _capture_block_input(model, kwargs, blocks[0])[1])
 
 
+def fit_recording(hidden_states: Tensor, prompt_length: int, P: int, T: int) -> Tensor:
+    """Rows of a recording (n, prompt_length + T' - 1, H) moved into a batch re-padded to prompts of P
+    (left) and completions of T >= T' (right): (n, P + T - 1, H). NOTE: the positions added are zeros and
+    reach no kept log-prob: left padding is masked out of attention, and the right ones hold the inputs of
+    tokens past the row's end (the recording lacks its last token's, which predicts only padding here)."""
+    prompt, completion = hidden_states[:, :prompt_length], hidden_states[:, prompt_length:]
+    prompt = F.pad(prompt[:, max(prompt_length - P, 0) :], (0, 0, max(P - prompt_length, 0), 0))
+    return torch.cat([prompt, F.pad(completion, (0, 0, 0, T - 1 - completion.shape[1]))], dim=1)
+
+
+def recording_of_groups(
+    model: nn.Module,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
+    kept: list[tuple[Tensor, int] | None],
+    plan: "Plan",
+    group_size: int,
+) -> Tensor:
+    """The recording (N, P + T - 1, H) of whole groups of G rows, sampled in other batches and re-padded
+    together (`inputs`, `completion_ids`): each group's rows of the recording it was sampled with (`kept`:
+    (rows, the prompt length then), `fit_recording`), or captured here where that is None."""
+    P, T = inputs["input_ids"].shape[1], completion_ids.shape[1]
+    frozen = dict(blocks=plan.parts["blocks"], first_adapted=plan.parts["first_adapted"])
+    groups = []
+    for (rows, group_inputs), recorded in zip(split_rows(inputs, group_size), kept, strict=True):
+        if recorded is None:
+            groups.append(capture_trunk(model, group_inputs, completion_ids[rows], **frozen).hidden_states)
+        else:
+            groups.append(fit_recording(*recorded, P, T))
+    return torch.cat(groups)
+
+
 def trunk_logprobs(
     trunk: Trunk,
     completion_ids: Tensor,
@@ -634,6 +666,7 @@ def micro_batches(
                 chunk.trunk = trunk_from_recording(*args, recording[rows], **frozen)
             else:  # adapters on or off does not matter: none sits in the trunk
                 chunk.trunk = capture_trunk(*args, **frozen)
+            chunk.inputs.pop("pixel_values", None)  # held no longer: only the trunk needed them
         chunks.append(chunk)
     return chunks
 

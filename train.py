@@ -82,8 +82,8 @@ class Args:
     """Deterministic algorithms only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8):
     on CUDA a resumed run then repeats an uninterrupted one bit for bit, slower; CPU runs always do."""
     dist_timeout: float = 30.0
-    """torchrun: minutes a rank waits for the others at a collective (rank 0's evaluation, its checkpoint)
-    before the run fails (NCCL's own default: 10)."""
+    """torchrun: minutes a rank waits for the others at a collective (rank 0's checkpoint, a slower rank's
+    step) before the run fails (NCCL's own default: 10)."""
     batch_size: int = 16
     """B: prompts per step (per rank under torchrun: the global batch is B*R prompts)."""
     group_size: int = 8
@@ -185,7 +185,8 @@ class Run:
 class Rollout:
     """Everything sampled and scored for one batch of N = B*G rows."""
 
-    inputs: dict[str, torch.Tensor]  # N rows: input_ids (N, P), attention_mask, [pixel_values, ...]
+    prompts: data.PromptBatch  # the B prompts once: input_ids (B, P), attention_mask, [pixel_values, ...]
+    # (with tools: the N rows, each with its prompt's and its tools' images)
     completion_ids: torch.Tensor  # (N, T)
     mask: torch.Tensor  # (N, T) bool, True up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool, no EOS within max_new_tokens
@@ -195,11 +196,19 @@ class Rollout:
     components: dict[str, torch.Tensor]  # (N,) per reward, unweighted
     adv: torch.Tensor  # (N,)
     chunks: list[speedups.RowChunk]  # the rows as the log-prob passes take them (one chunk on the plain path)
+    recording: torch.Tensor | None = None  # (N, P + T - 1, H) the trunk sampling recorded; chunks view it
     old_logp: torch.Tensor | None = None  # (N, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None  # (N, T), only when beta > 0
     token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
     tool_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # tools/calls, tools/errors/..
     turns: list[list[dict]] | None = None  # each row's turns (multiturn.py), for rollouts.jsonl
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The N rows' model inputs, each prompt's images with its G rows: made when asked, never held (the
+        chunks keep pixels only for a pass that reads them: the plain path's full forward)."""
+        G = self.completion_ids.shape[0] // self.prompts.inputs["input_ids"].shape[0]
+        return data.repeat_rows(self.prompts, G).inputs
 
 
 def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
@@ -259,9 +268,11 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
     adv = advantages(reward, components, run, args)  # (N,)
-    inputs = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
-    chunks = speedups.row_chunks(model, inputs, completion_ids, recording, run.speed)
-    return Rollout(inputs, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks)
+    rows = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
+    chunks = speedups.row_chunks(model, rows, completion_ids, recording, run.speed)  # rows' pixels: if read
+    return Rollout(
+        batch, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks, recording
+    )
 
 
 @torch.no_grad()
@@ -282,7 +293,7 @@ def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     components = {name: as_floats(values) for name, values in scores.components.items()}
     chunks = speedups.row_chunks(run.model, turns.inputs, turns.completion_ids, None, run.speed)
     return Rollout(
-        inputs=turns.inputs,
+        prompts=data.PromptBatch(turns.inputs, turns.images_per_row),  # N rows, each with its own images
         completion_ids=turns.completion_ids,
         mask=mask,
         truncated=turns.truncated,
@@ -392,9 +403,13 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
     --resume stays exact with no stream to save.
     Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: every
     rank shares its groups' completions and scores (small data), the first B*R groups with a signal in
-    (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them."""
+    (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them.
+    The trunk each round recorded (if sampling records one) is kept until the choice: a kept group's rows of
+    it are re-padded into the new batch (`speedups.recording_of_groups`), never run again, except for groups
+    another rank sampled (recordings are large: never sent), whose trunk this rank captures."""
     B, G, R = args.batch_size, args.group_size, run.world
     groups = []  # every rank's groups as plain lists (`group_lists`), in (round, rank, group) order
+    recordings = []  # this rank's (trunk recording, prompt length) of each round, or None
     for k in range(args.max_sampling_rounds):
         if k > 0:
             rounds = dict(sampling_round=k, rounds=args.max_sampling_rounds)
@@ -402,6 +417,7 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
             ro = rollout(run, prompts, args)
         mine = [group_lists(ro, slice(g * G, (g + 1) * G)) for g in range(B)]
         groups += distributed.gather_lists(mine)
+        recordings.append(None if ro.recording is None else (ro.recording, ro.prompts.prompt_length))
         signal = [any(r != group["reward"][0] for r in group["reward"]) for group in groups]
         if sum(signal) >= B * R:
             break
@@ -412,9 +428,16 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
         rounds = dict(sampling_round=i // (B * R), rounds=args.max_sampling_rounds)  # re-derived, never sent
         return data.batch_for_step(run.train_samples, step - 1, B, args.seed, i // B % R, R, **rounds)[i % B]
 
+    def recorded(i: int) -> tuple[torch.Tensor, int] | None:  # global group i's trunk rows, if this rank's
+        if i // B % R != run.rank or recordings[i // (B * R)] is None:
+            return None
+        recording, prompt_length = recordings[i // (B * R)]
+        return recording[i % B * G : (i % B + 1) * G], prompt_length
+
     kept = min(sum(signal), B * R)
     counts = {"dynamic/groups_sampled": len(groups), "dynamic/groups_kept": kept, "dynamic/rounds": k + 1}
-    return rollout_of_groups(run, [sample(i) for i in chosen], [groups[i] for i in chosen], args), counts
+    chosen_groups = ([sample(i) for i in chosen], [groups[i] for i in chosen], [recorded(i) for i in chosen])
+    return rollout_of_groups(run, *chosen_groups, args), counts
 
 
 def group_lists(ro: Rollout, rows: slice) -> dict:
@@ -424,9 +447,12 @@ def group_lists(ro: Rollout, rows: slice) -> dict:
     return {"texts": ro.texts[rows], **{key: values[rows].tolist() for key, values in columns.items()}}
 
 
-def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: Args) -> Rollout:
+def rollout_of_groups(
+    run: Run, samples: list[dict], groups: list[dict], recorded: list[tuple | None], args: Args
+) -> Rollout:
     """One Rollout from the chosen groups (`group_lists`) of B prompts: prompts re-padded together,
-    completions padded to the longest (masks carried over, never recomputed from padding), advantages."""
+    completions padded to the longest (masks carried over, never recomputed from padding), advantages; the
+    trunk from the groups' `recorded` rows where a group has them (`speedups.recording_of_groups`)."""
     T = max(len(group["completion_ids"][0]) for group in groups)
 
     def column(key: str, pad=None, dtype=None) -> torch.Tensor:  # the groups' rows: (N,), or (N, T) padded
@@ -437,9 +463,13 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
     names = [key.removeprefix("reward/") for key in groups[0] if key.startswith("reward/")]
     components = {name: column(f"reward/{name}", dtype=torch.float32) for name in names}
     ids = column("completion_ids", pad=run.tokenizer.pad_token_id)  # (N, T)
-    inputs = data.repeat_rows(prompt_batch(run, samples, args), args.group_size).inputs
+    batch = prompt_batch(run, samples, args)
+    inputs = data.repeat_rows(batch, args.group_size).inputs  # the rows' pixels: only while chunks are made
+    recording = None
+    if any(r is not None for r in recorded):
+        recording = speedups.recording_of_groups(run.model, inputs, ids, recorded, run.speed, args.group_size)
     return Rollout(
-        inputs=inputs,
+        prompts=batch,
         completion_ids=ids,
         mask=column("mask", pad=False),
         truncated=column("truncated"),
@@ -448,7 +478,8 @@ def rollout_of_groups(run: Run, samples: list[dict], groups: list[dict], args: A
         reward=reward,
         components=components,
         adv=advantages(reward, components, run, args),
-        chunks=speedups.row_chunks(run.model, inputs, ids, None, run.speed),
+        chunks=speedups.row_chunks(run.model, inputs, ids, recording, run.speed),
+        recording=recording,
     )
 
 
@@ -738,36 +769,59 @@ def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
 # --- Evaluation, logging, plots -----------------------------------------------------------------------------
 
 
+# Held-out prompts per greedy batch. Under torchrun a rank decodes whole batches of those one process makes:
+# a sample's greedy completion (its batch's padding) is then the same for any number of ranks.
+EVAL_BATCH_SIZE = 50
+
+
 @torch.no_grad()
 def evaluate(run: Run, args: Args) -> dict:
-    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's."""
+    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's.
+    Under torchrun rank r decodes batches r, r + R, ... and the ranks' sums are gathered: every rank returns
+    one process's numbers. A failure on one rank (a reward plug-in) is raised on all: none waits alone."""
     run.model.eval()
-    metrics, ends = {}, run.sampling["eos_token_id"]
-    greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
-    for suffix, samples in (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated)):
-        totals, correct, calls = [], [], []
-        for i in range(0, len(samples), 50):
-            chunk = samples[i : i + 50]
-            batch = prompt_batch(run, chunk, args)
-            chunk = data.with_grounding(chunk, batch, run.box_frame)
-            if run.tools is None:
-                ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
-                mask, _ = grpo.completion_mask(ids, ends)
-                texts = data.decode_completions(run.tokenizer, ids, mask, ends)
-            else:  # multi-turn: the final answers scored, the trajectories and calls in the samples
-                options = dict(group_size=1, sampling=dict(run.sampling, temperature=0.0))
-                turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
-                texts, chunk, mask = turns.texts, turns.samples, turns.mask
-                calls += turns.counts["calls"].tolist()
-            scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
-            totals += scores.total
-            correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
+    sets = (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated))
+    try:
+        mine = {"sums": [held_out_sums(run, samples, args) for _, samples in sets]}
+    except (Exception, cli.Stopped) as error:
+        distributed.gather_lists([{"failed": getattr(error, "user_message", None) or str(error)}])
+        raise
+    ranks = distributed.gather_lists([mine])  # in rank order; one process: its own
+    failed = [(rank, r["failed"]) for rank, r in enumerate(ranks) if "failed" in r]
+    if failed:
+        raise cli.UsageError(f"evaluation on rank {failed[0][0]}: {failed[0][1]}")
+    metrics = {}
+    for i, (suffix, samples) in enumerate(sets):
         if samples:
-            metrics[f"eval/accuracy{suffix}"] = sum(correct) / len(correct)
-            metrics[f"eval/reward{suffix}"] = sum(totals) / len(totals)
-        if calls:
-            metrics[f"eval/tools/calls{suffix}"] = sum(calls) / len(calls)
+            metrics[f"eval/accuracy{suffix}"] = sum(r["sums"][i][0] for r in ranks) / len(samples)
+            metrics[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
+        if samples and run.tools is not None:  # calls per completion
+            metrics[f"eval/tools/calls{suffix}"] = sum(r["sums"][i][2] for r in ranks) / len(samples)
     return metrics
+
+
+def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float, int]:
+    """(correct, summed reward, tool calls) of this rank's greedy batches of `samples` (batches rank,
+    rank + R, ...)."""
+    totals, correct, calls, ends = [], [], 0, run.sampling["eos_token_id"]
+    greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
+    for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
+        chunk = samples[i : i + EVAL_BATCH_SIZE]
+        batch = prompt_batch(run, chunk, args)
+        chunk = data.with_grounding(chunk, batch, run.box_frame)
+        if run.tools is None:
+            ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
+            mask, _ = grpo.completion_mask(ids, ends)
+            texts = data.decode_completions(run.tokenizer, ids, mask, ends)
+        else:  # multi-turn: the final answers scored, the trajectories and calls in the samples
+            options = dict(group_size=1, sampling=dict(run.sampling, temperature=0.0))
+            turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
+            texts, chunk, mask = turns.texts, turns.samples, turns.mask
+            calls += int(turns.counts["calls"].sum())
+        scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
+        totals += scores.total
+        correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
+    return sum(correct), sum(totals), calls
 
 
 def print_if(condition: bool, *values) -> None:  # on the writing rank only, not R times
@@ -835,7 +889,8 @@ def train_loop(
     beta: float,
     run_id: str,
 ) -> dict:
-    """Steps start_step + 1 .. args.steps; the writing rank (log is not None) logs, evaluates and saves."""
+    """Steps start_step + 1 .. args.steps; every rank evaluates its share, the writing rank (log is not None)
+    logs and saves."""
     bad_in_a_row = 0
     for step in range(start_step + 1, args.steps + 1):
         rng = checkpoints.rng_state()  # step - 1's checkpoint takes it, should this step fail in user code
@@ -851,14 +906,18 @@ def train_loop(
         if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
             beta = grpo.adapt_beta(beta, record["kl"], args.loss)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-        if log is not None:  # NOTE: evaluate has no collectives; the other ranks wait at the next all-reduce
+        try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
+            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                record.update(evaluate(run, args))
+        except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
             try:
-                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                    record.update(evaluate(run, args))
-            except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
-                log.step(record, timings, completions, bad_in_a_row)
-                failed_step(error, step, run, out, beta, run_id, args)
-                raise
+                if log is not None:
+                    log.step(record, timings, completions, bad_in_a_row)
+                    failed_step(error, step, run, out, beta, run_id, args)
+            finally:
+                distributed.barrier()  # NOTE: torchrun ends every rank once one exits: not before the save
+            raise
+        if log is not None:
             with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
                 log.step(record, timings, completions, bad_in_a_row)
         halt = halt_reason(stop, bad_in_a_row, args)
@@ -891,7 +950,7 @@ def main(args: Args) -> dict:
         cli.check(not no_cumsum, "--deterministic", message)
         timeout = dict(timeout_minutes=args.dist_timeout)
         rank, world = distributed.init_distributed(device, **timeout)  # (0, 1) without torchrun
-        writer = rank == 0  # the only rank that writes files, prints progress and evaluates
+        writer = rank == 0  # the only rank that writes files and prints progress
         # --dry-run writes nothing: it takes no lock
         held.enter_context(checkpoints.run_folder_lock(out, hold=writer and not args.dry_run))
         with cli.user_errors():

@@ -263,7 +263,6 @@ def run_step(
     model, optimizer, batch, tokenizer, args: train.Args, seed: int, record: StepRecord, *, plain: bool
 ) -> int:
     """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
-    inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
     plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
@@ -272,7 +271,7 @@ def run_step(
         # prefilled and every image encoded G times; ours: each prompt prefilled once, the trunk recorded.
         ids, recording = speedups.sample(
             model,
-            inputs if plain else batch.inputs,
+            data.repeat_rows(batch, args.group_size).inputs if plain else batch.inputs,
             plan,
             group_size=1 if plain else args.group_size,
             max_new_tokens=args.sampling.max_new_tokens,
@@ -287,7 +286,9 @@ def run_step(
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed)).to(ids.device)  # scoring
     adv = grpo.group_advantages(reward, args.group_size)
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
+        inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
         chunks = speedups.row_chunks(model, inputs, ids, recording, plan)
+        del inputs  # as in train.rollout: the rows' pixels stay only in chunks whose passes read them
     old_logp = None
     options = dict(temperature=args.sampling.temperature)
     with record("reference/old"), torch.no_grad():

@@ -309,7 +309,7 @@ def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(
     ids = on_other([[9, 1, 0], [9, 9, 1], [8, 1, 0], [7, 7, 7]])  # (N, T)
     mask, truncated = grpo.completion_mask(ids, 1)
     reward = on_other([1.0, 1.0, 0.0, 1.0])  # group 0 without signal, group 1 with
-    fields = dict(inputs={}, completion_ids=ids, mask=mask, truncated=truncated, texts=["a", "b", "c", "d"])
+    fields = dict(prompts=None, completion_ids=ids, mask=mask, truncated=truncated, texts=list("abcd"))
     fields.update(samples=[], reward=reward, components={"format": reward}, adv=reward, chunks=[])
     kept, counts = train.groups_with_signal(run, train.Rollout(**fields), 1, args)
     assert counts == {"dynamic/groups_sampled": 2, "dynamic/groups_kept": 1, "dynamic/rounds": 1}

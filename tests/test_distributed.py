@@ -77,7 +77,7 @@ def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world
     rows, inputs = speedups.split_rows(fixed["inputs"], n)[rank]
     ids = fixed["completion_ids"][rows]
     return train.Rollout(
-        inputs=inputs,
+        prompts=None,  # the update reads the chunks' rows only
         completion_ids=ids,
         mask=fixed["mask"][rows],
         truncated=fixed["truncated"][rows],
@@ -137,14 +137,14 @@ def fixed_rollout(tmp_path_factory) -> Path:
     return path
 
 
-def torchrun(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+def torchrun(*argv: str, cwd: Path, succeeds: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     done = subprocess.run(
         [*command, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (done.returncode == 0) == succeeds, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -234,6 +234,83 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
     assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[1])
 
 
+# --- the held-out evaluation, split across the ranks -------------------------------------------------------
+
+
+def held_out_evaluation(rank: int, world_size: int) -> dict:
+    """train.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, and the
+    size of every batch this rank decoded."""
+    model, tokenizer, image_processor = tiny_model_with_lora()
+    args = train_args(device="cpu", max_new_tokens=8, eval_image_ablation="blank")
+    held_out = tasks.make_task("inspection", 5, split="test", seed=0)
+    reward_fns = train.resolve_rewards(args, "inspection")
+    run = make_run(
+        model,
+        args,
+        tokenizer=tokenizer,
+        image_processor=image_processor,
+        reward_fns=reward_fns,
+        accuracy_name=reward_fns[0].name,
+        held_out=held_out,
+        held_out_ablated=data.ablate_images(held_out, "blank", seed=0),
+        rank=rank,
+        world=world_size,
+    )
+    decoded, real_sample, real_batch_size = [], speedups.sample, train.EVAL_BATCH_SIZE
+
+    def sample(model, inputs, *args, **options):
+        decoded.append(len(inputs["input_ids"]))
+        return real_sample(model, inputs, *args, **options)
+
+    speedups.sample = sample
+    train.EVAL_BATCH_SIZE = 2  # batches [0, 2), [2, 4), [4, 5): rank 0 takes the first and the last
+    try:
+        return {"metrics": train.evaluate(run, args), "decoded": decoded}
+    finally:
+        speedups.sample, train.EVAL_BATCH_SIZE = real_sample, real_batch_size
+
+
+def test_two_ranks_evaluate_half_the_held_out_batches_each_and_get_the_one_process_metrics(tmp_path):
+    one = held_out_evaluation(0, 1)
+    torchrun(str(Path(__file__).resolve()), "evaluate", str(tmp_path), cwd=tmp_path)
+    ranks = [json.loads((tmp_path / f"evaluate{r}.json").read_text()) for r in range(WORLD)]
+    assert one["decoded"] == [2, 2, 1] * 2  # one process: every batch of the held-out set, then the blanked
+    assert [r["decoded"] for r in ranks] == [[2, 1] * 2, [2] * 2]  # the same batches, shared out
+    assert set(one["metrics"]) == {f"eval/{m}{s}" for m in ("accuracy", "reward") for s in ("", "_blank")}
+    for r in ranks:  # each sample's greedy completion is the one of the same batch: the same numbers
+        assert r["metrics"] == pytest.approx(one["metrics"], abs=1e-12)
+
+
+def test_a_reward_failing_on_another_ranks_evaluation_share_stops_every_rank_after_rank_0s_checkpoint(
+    tmp_path,
+):
+    # Fails on rank 1 from its 6th completion (step 0's evaluation: 1, step 1's training: 2 x 2).
+    plugin = tmp_path / "judge.py"
+    plugin.write_text(
+        "import os\ncalls = 0\n"
+        "def judge(completion, sample):\n"
+        "    global calls\n    calls += 1\n"
+        "    if calls > 5 and os.environ['RANK'] == '1':  # step 1's evaluation\n"
+        "        raise ValueError('judge is broken')\n"
+        "    return 1.0\n"
+    )
+    out = tmp_path / "run"
+    flags = f"{FLAGS} --eval-size 51 --max-new-tokens 4 --save-every 100 --steps 2"  # rank 1: sample 50
+    command = [*flags.split(), "--reward", f"{plugin}:judge", "--output-dir", str(out)]
+    done = torchrun(str(ROOT / "train.py"), *command, cwd=tmp_path, succeeds=False)
+    assert f'File "{ROOT / "train.py"}"' not in done.stderr  # no rank's traceback (torchrun prints its own)
+    assert "error: raised by reward" in done.stderr  # rank 1's own error
+    assert (  # and rank 0's: it wrote the checkpoint before any rank exited
+        "error: evaluation on rank 1: raised by reward" in done.stderr
+        and "judge is broken (at " in done.stderr
+        and f"checkpoint of step 1 written. Once that is fixed, continue with: python train.py --resume {out}"
+        in done.stderr
+    )
+    assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [0, 1] and "eval/accuracy" not in records[1]
+
+
 # --- dynamic sampling chooses over the global batch -------------------------------------------------------
 
 
@@ -247,7 +324,7 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
     reward = torch.tensor([0.5 if i % 3 == 0 else float(j % 2) for i, j in rows])
     batch = train.prompt_batch(run, prompts, args)
     return train.Rollout(
-        inputs=data.repeat_rows(batch, G).inputs,
+        prompts=batch,
         completion_ids=ids,
         mask=mask,
         truncated=truncated,
@@ -308,6 +385,10 @@ if __name__ == "__main__":  # one rank, launched by the tests above through torc
     if sys.argv[1] == "dynamic":
         out = Path(sys.argv[2]) / f"dynamic{rank}.json"
         out.write_text(json.dumps(dynamic_choice(rank, world_size, B)))
+    elif sys.argv[1] == "evaluate":
+        (Path(sys.argv[2]) / f"evaluate{rank}.json").write_text(
+            json.dumps(held_out_evaluation(rank, world_size))
+        )
     else:
         rollout_path = Path(sys.argv[1])
         results = one_update(torch.load(rollout_path), rank, world_size)

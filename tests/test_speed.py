@@ -20,6 +20,7 @@ from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
 from transformers import StaticCache
 
+import data
 import grpo
 import lora
 import speedups
@@ -575,7 +576,7 @@ def hand_rollout(model, args: train.Args) -> train.Rollout:
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
     chunks = speedups.row_chunks(model, inputs, ids, None, make_run(model, args).speed)
     return train.Rollout(
-        inputs=inputs,
+        prompts=data.PromptBatch(inputs_for("vlm", 1), images_per_row=[2, 1]),  # the B = 2 prompts
         completion_ids=ids,
         mask=mask,
         truncated=truncated,
