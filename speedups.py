@@ -220,9 +220,8 @@ def sample_shared_prefill(
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws
-    if recorded:  # the prompts' (B, P, H) for their G rows, then the t tokens fed: (N, P + T - 1, H)
-        recorded = [recorded[0].repeat_interleave(group_size, dim=0), *recorded[1 : t + 1]]
-    return tokens[:, : t + 1], (torch.cat(recorded, dim=1) if recorded else None)
+    trunk = [recorded[0].repeat_interleave(group_size, dim=0), *recorded[1 : t + 1]] if recorded else None
+    return tokens[:, : t + 1], (torch.cat(trunk, dim=1) if trunk else None)  # prompts G times, tokens fed
 
 
 # --- 2. the frozen trunk, run once (grpo.completion_logprobs) -----------------------------------------------
@@ -655,8 +654,7 @@ def micro_batches(
 ) -> list[RowChunk]:
     """The rows in chunks of --micro-batch-size (all N if None), each with its frozen trunk under trunk reuse:
     from the sampler's `recording` (N, P + T - 1, H), or captured here."""
-    size, parts = plan.config.micro_batch_size, plan.parts
-    chunks = []
+    size, parts, chunks = plan.config.micro_batch_size, plan.parts, []
     for rows, chunk_inputs in split_rows(inputs, size or completion_ids.shape[0]):
         chunk = RowChunk(rows, chunk_inputs, completion_ids[rows])
         if parts is not None:

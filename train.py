@@ -262,8 +262,7 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
         prompts = data.with_grounding(prompts, batch, run.box_frame)
     samples = [s for s in prompts for _ in range(G)]
     scores = rewards.score(texts, samples, run.reward_fns, completion_lengths=mask.sum(1).tolist())
-    if args.mask_truncated:  # NOTE: after scoring: they are still scored and logged, they carry no gradient
-        mask = mask & ~truncated[:, None]
+    mask = mask & ~truncated[:, None] if args.mask_truncated else mask  # NOTE: still scored and logged
     as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
