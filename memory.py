@@ -3,7 +3,8 @@
 `estimate` adds up, per phase of train.py's step, the bytes alive together:
 - sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, and
   the recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated;
-- trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the N rows' pixels;
+- trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the pixels (the B
+  prompts' once with trunk reuse; the N rows' on the plain path, whose every pass reads them);
 - logprob_pass: a no-grad pass (reference, old policy): one adapted block's intermediates for a micro-batch,
   and the fp32 LM head run row by row (`speedups.logprobs_row_by_row`: an fp32 copy of its weight and a few
   (T, V) fp32 tensors, never an (N, T, V) one);
@@ -112,8 +113,9 @@ def estimate(
     sampling = kv_cache + 2 * recording + draw
     if not shared_prefill:  # generate: all N rows prefilled, a cache grown by concatenation (old and new)
         sampling = 2 * kv_cache + N * P * 3 * I * d + draw
-    # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token.
-    pixels = N * image_tokens * 4 * 3 * 2 * 14 * 14 * f32
+    # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token,
+    # each prompt's once when the chunks drop theirs after the trunk (train.Rollout.prompts).
+    pixels = (N // group_size if trunk_reuse else N) * image_tokens * 4 * 3 * 2 * 14 * 14 * f32
     trunk = recording + (N * S * S + 2 * 3 * N * S * hd * d if trunk_reuse else 0) + pixels
     # Saved per token by one adapted block: the normed input (q/k/v's LoRA A keep it), q and k after RoPE and
     # v, both repeated to all heads, SDPA's output and its transposed copy (o_proj's input), cos and sin,
