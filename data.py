@@ -160,6 +160,12 @@ def _resize_rule(image_processor) -> tuple[int, int, int, int] | None:
     return factor, size["shortest_edge"], size["longest_edge"], image_processor.resample
 
 
+def resized_size(image_processor, size: tuple[int, int]) -> tuple[int, int]:
+    """(w', h'): the size the image processor resizes a (w, h) image to (`smart_resize`, its pixel budget)."""
+    height, width = smart_resize(size[1], size[0], *_resize_rule(image_processor)[:3])
+    return width, height
+
+
 NO_BOMB_WARNING = dict(action="ignore", category=Image.DecompressionBombWarning)  # --max-image-pixels decides
 
 

@@ -373,14 +373,15 @@ def check_needs(
 # --- loading ----------------------------------------------------------------------------------------------
 
 
-def _import_module_for(module_spec: str, attr: str) -> Any:
-    """Import `pkg.mod` from sys.path, or execute `path/to/file.py` as a fresh module (for reward `attr`)."""
+def import_plugin(module_spec: str, attr: str, *, kind: str = "reward") -> Any:
+    """Import `pkg.mod` from sys.path, or execute `path/to/file.py` as a fresh module (for the `kind` `attr`:
+    a reward, or a tool of tools.py)."""
     if module_spec.endswith(".py") or "/" in module_spec or os.sep in module_spec:
         if not os.path.isfile(module_spec):
-            raise ValueError(f"reward file {module_spec!r} does not exist")
+            raise ValueError(f"{kind} file {module_spec!r} does not exist")
         # NOTE: a private module name, so a user file called e.g. "rewards.py" cannot replace this module
         # in sys.modules; it is registered there because dataclasses and pickling look modules up by name.
-        name = f"_reward_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
+        name = f"_{kind}_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
         spec = importlib.util.spec_from_file_location(name, module_spec)
         assert spec is not None and spec.loader is not None  # None for a suffix Python cannot import
         module = sys.modules[name] = importlib.util.module_from_spec(spec)
@@ -394,14 +395,14 @@ def _import_module_for(module_spec: str, attr: str) -> Any:
                 raise ValueError(f"{module_spec}:{attr}: the plug-in file {did} while it was imported") from e
             if not isinstance(e, ImportError | SyntaxError):
                 raise
-            raise ValueError(f"could not import reward file {module_spec!r}: {e}") from e
+            raise ValueError(f"could not import {kind} file {module_spec!r}: {e}") from e
         return module
     try:
         return importlib.import_module(module_spec)
     except (ImportError, SyntaxError) as e:
         missing = isinstance(e, ModuleNotFoundError) and e.name == module_spec.split(".")[0]
         hint = " (is its directory on sys.path? or pass a file: path/to/file.py:function)" if missing else ""
-        raise ValueError(f"could not import reward module {module_spec!r}: {e}{hint}") from e
+        raise ValueError(f"could not import {kind} module {module_spec!r}: {e}{hint}") from e
 
 
 def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **bind: Any) -> RewardFn:
@@ -420,7 +421,7 @@ def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **
         module_spec, _, attr = spec.rpartition(":")
         if not module_spec or not attr:
             raise ValueError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
-        module = _import_module_for(module_spec, attr)
+        module = import_plugin(module_spec, attr)
         if not hasattr(module, attr):
             raise ValueError(f"reward module {module_spec!r} has no attribute {attr!r}")
         fn = getattr(module, attr)
