@@ -103,16 +103,15 @@ def _inspection_sample(rng: random.Random, index: int) -> dict:
 # at most a quarter of a resized pixel. Its colours come from a palette ("P" mode: a byte a pixel, a third
 # of RGB's memory): 64 background and 64 panel shades jittered per channel, whose colour noise, after the
 # resize, reaches the red a blurred mark leaves: the largest R - (G+B)/2 of a resized photo is about 15
-# without a mark and 20 with one, and 201 in a crop of the panel with one (mean over 200 samples).
-ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 128, 2  # pixels
-ZOOM_CORNERS = (48, 272)  # the panel's left (top) edge in the left (top) and right (bottom) half
+# without a mark and 20 with one, and 198 in a crop of the panel with one (mean over 200 samples).
+ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 64, 2  # pixels; a crop of the panel is seen at 56x56, 4 tokens
+ZOOM_CORNERS = (80, 304)  # the panel's left (top) edge in the left (top) and right (bottom) half
 _BOLT, _RED = 128, 129  # palette indices after the 2 x 64 shades
 _BACKGROUND_SHADES = bytes(i % 64 for i in range(256))  # random bytes -> shade indices (bytes.translate)
 _PANEL_SHADES = bytes(64 + i % 64 for i in range(256))
 INSPECTION_ZOOM_PROMPT = (
-    "inspect the panel for a small red mark. answer 通过 or 不通过 on line 1 and 理由: on line 2. "
-    'to see a region at full resolution call <tool_call>{"name": "zoom", "arguments": {"image": 0, '
-    '"bbox_2d": [x1, y1, x2, y2]}}</tool_call>'
+    "inspect the panel for a small red mark. answer 通过 or 不通过, then 理由:. zoom in with "
+    '<tool_call>{"name": "zoom", "arguments": {"image": 0, "bbox_2d": [x1, y1, x2, y2]}}</tool_call>'
 )
 
 
@@ -131,11 +130,11 @@ def _inspection_zoom_sample(rng: random.Random, index: int) -> dict:
     x0, y0 = rng.choice(ZOOM_CORNERS), rng.choice(ZOOM_CORNERS)
     image.paste(Image.frombytes("P", (P, P), rng.randbytes(P * P).translate(_PANEL_SHADES)), (x0, y0))
     draw = ImageDraw.Draw(image)
-    for bx, by in ((10, 10), (P - 10, 10), (10, P - 10), (P - 10, P - 10)):  # four bolts
-        draw.ellipse((x0 + bx - 4, y0 + by - 4, x0 + bx + 4, y0 + by + 4), fill=_BOLT)
+    for bx, by in ((6, 6), (P - 6, 6), (6, P - 6), (P - 6, P - 6)):  # four bolts
+        draw.ellipse((x0 + bx - 3, y0 + by - 3, x0 + bx + 3, y0 + by + 3), fill=_BOLT)
     mark_box = None
     if rng.random() < 0.5:
-        mx, my = x0 + rng.randint(16, P - 16 - M), y0 + rng.randint(16, P - 16 - M)
+        mx, my = x0 + rng.randint(12, P - 12 - M), y0 + rng.randint(12, P - 12 - M)
         draw.rectangle((mx, my, mx + M - 1, my + M - 1), fill=_RED)
         mark_box = [mx, my, mx + M, my + M]
     label, reason = ("不通过", "理由: 面板有红色缺陷") if mark_box else ("通过", "理由: 无缺陷")
