@@ -103,10 +103,10 @@ def _inspection_sample(rng: random.Random, index: int) -> dict:
 # at most a quarter of a resized pixel. Its colours come from a palette ("P" mode: a byte a pixel, a third
 # of RGB's memory): 64 background and 64 panel shades jittered per channel, whose colour noise, after the
 # resize, reaches the red a blurred mark leaves: the largest R - (G+B)/2 of a resized photo is about 15
-# without a mark and 20 with one, and 198 in a crop of the panel with one (mean over 200 samples).
-ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 64, 2  # pixels; a crop of the panel is seen at 56x56, 4 tokens
-ZOOM_CORNERS = (80, 304)  # the panel's left (top) edge in the left (top) and right (bottom) half
-_BOLT, _RED = 128, 129  # palette indices after the 2 x 64 shades
+# without a mark and 19 with one, and 224 in a crop of the panel with one (mean over 200 samples).
+ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 32, 2  # pixels; a panel's crop is seen enlarged to 56x56
+ZOOM_CORNERS = (96, 320)  # the panel's left (top) edge in the left (top) and right (bottom) half
+_RED = 128  # the palette index after the 2 x 64 shades
 _BACKGROUND_SHADES = bytes(i % 64 for i in range(256))  # random bytes -> shade indices (bytes.translate)
 _PANEL_SHADES = bytes(64 + i % 64 for i in range(256))
 INSPECTION_ZOOM_PROMPT = (
@@ -117,9 +117,9 @@ INSPECTION_ZOOM_PROMPT = (
 
 def _zoom_palette() -> list[int]:
     rng = random.Random("inspection-zoom palette")  # fixed: the same shades in every sample and split
-    shades = [(200, 200, 205)] * 64 + [(115, 120, 135)] * 64
+    shades = [(200, 200, 205)] * 64 + [(70, 75, 90)] * 64
     jittered = [min(255, max(0, v + rng.randint(-35, 35))) for shade in shades for v in shade]
-    return [*jittered, 60, 60, 60, *COLOURS["red"]]
+    return [*jittered, *COLOURS["red"]]
 
 
 def _inspection_zoom_sample(rng: random.Random, index: int) -> dict:
@@ -130,11 +130,9 @@ def _inspection_zoom_sample(rng: random.Random, index: int) -> dict:
     x0, y0 = rng.choice(ZOOM_CORNERS), rng.choice(ZOOM_CORNERS)
     image.paste(Image.frombytes("P", (P, P), rng.randbytes(P * P).translate(_PANEL_SHADES)), (x0, y0))
     draw = ImageDraw.Draw(image)
-    for bx, by in ((6, 6), (P - 6, 6), (6, P - 6), (P - 6, P - 6)):  # four bolts
-        draw.ellipse((x0 + bx - 3, y0 + by - 3, x0 + bx + 3, y0 + by + 3), fill=_BOLT)
     mark_box = None
     if rng.random() < 0.5:
-        mx, my = x0 + rng.randint(12, P - 12 - M), y0 + rng.randint(12, P - 12 - M)
+        mx, my = x0 + rng.randint(6, P - 6 - M), y0 + rng.randint(6, P - 6 - M)
         draw.rectangle((mx, my, mx + M - 1, my + M - 1), fill=_RED)
         mark_box = [mx, my, mx + M, my + M]
     label, reason = ("不通过", "理由: 面板有红色缺陷") if mark_box else ("通过", "理由: 无缺陷")

@@ -22,7 +22,11 @@ and `</tool_call>` are special tokens (one token each, as in Qwen's tokenizers),
 is on the inspection-zoom task only: a share of the traces (--tool-share) call zoom on the panel's box, read
 the crop and answer, the others answer at once; the loss is on the assistant's tokens only (the call with
 its `</tool_call>`, the answer with its `<|im_end|>`), never on the tool turn. It stops when the greedy
-held-out accuracy with the tool reaches the target, so that GRPO has room; the default asset is untouched.
+held-out completions are well formed (a call answered with a crop, then a verdict and a reason). NOTE: not
+on verdict accuracy: this model's 2-block vision tower learns no red 2x2 mark in hundreds of steps, not
+even from a clean crop alone (measured: verdict at chance after 400 steps, lr 1e-3 and 3e-3), nor where
+the panel is, so the verdict stays at chance and the box is mostly the same for every photo. The default
+asset is untouched.
 
 A bad flag, or a target accuracy not reached within --max-steps, prints one line `error: ...` naming the
 flag and exits with status 2 (cli.py); nothing is written then.
@@ -108,7 +112,8 @@ class Args:
     """Stop the warm-start at the first evaluation whose held-out exact-answer accuracy on the target task
     reaches this. Default 0.4, reached after 250 steps: shapes right about half the time, and the
     inspection task's two-line format learned but its verdict still at chance (one answer for all). With
-    --tools: the verdict accuracy with the tool (greedy, one zoom call at most), default 0.65."""
+    --tools: the share of well-formed held-out completions (greedy: a zoom call answered with a crop, then
+    a verdict and a reason), default 0.9: the tiny model learns to see no mark in a warm-start this short."""
     tools: bool = False
     """Make the tools asset instead (see above): tool-call tokens, Qwen2.5's tool turn, inspection-zoom."""
     tool_share: float = 0.75
@@ -293,10 +298,11 @@ def held_out_with_tool(
     model, tokenizer, image_processor, samples, *, batch_size: int = 50
 ) -> dict[str, float]:
     """Greedy decoding with zoom available, one call at most (a second ends the rollout wrong): verdict
-    accuracy, the share of completions that call, and the share of crops of marked panels with the mark."""
+    accuracy, the share of completions that call, the share of crops of marked panels with the mark, and
+    the share that are well formed (a call answered with a crop, then a verdict and a reason)."""
     model.eval()
     stop_ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)]
-    right, called, shown = [], [], []
+    right, called, shown, formed = [], [], [], []
     for i in range(0, len(samples), batch_size):
         chunk = samples[i : i + batch_size]
         first = greedy(model, tokenizer, image_processor, chunk, stop_ids)
@@ -310,17 +316,22 @@ def held_out_with_tool(
         for sample, text in zip(chunk, first):
             calls = text.endswith(tools.TOOL_CALL_END)
             called.append(calls)
+            crop = None
             if calls:
                 text, images = next(answers), next(follow)["tool_call"]["images"]
-                if sample["mark_box"] and images:
-                    (x1, y1, x2, y2), (m1, n1, m2, n2) = images[0]["crop"], sample["mark_box"]
+                crop = images[0]["crop"] if images else None
+                if sample["mark_box"] and crop:
+                    (x1, y1, x2, y2), (m1, n1, m2, n2) = crop, sample["mark_box"]
                     shown.append(x1 <= m1 and y1 <= n1 and m2 <= x2 and n2 <= y2)
+            answer = text.removesuffix(tokenizer.eos_token)
+            formed.append(crop is not None and rewards.format_reward(answer, sample) == 1.0)
             right.append(
                 rewards.label_reward(text, sample) if not text.endswith(tools.TOOL_CALL_END) else 0.0
             )
     model.train()
     share = lambda values: sum(values) / max(len(values), 1)
-    return {"accuracy": share(right), "tool_calls": share(called), "crop_shows_mark": share(shown)}
+    shares = {"accuracy": right, "tool_calls": called, "crop_shows_mark": shown, "well_formed": formed}
+    return {name: share(values) for name, values in shares.items()}
 
 
 @torch.no_grad()
@@ -414,10 +425,10 @@ def warm_start_with_tools(model, tokenizer, image_processor, args: Args) -> tupl
     def evaluate() -> dict:
         return {"inspection-zoom": held_out_with_tool(model, tokenizer, image_processor, held_out)}
 
-    return sft_loop(model, batch, evaluate, args)
+    return sft_loop(model, batch, evaluate, args, metric="well_formed")
 
 
-def sft_loop(model, batch, evaluate, args: Args) -> tuple[int, dict]:
+def sft_loop(model, batch, evaluate, args: Args, metric: str = "accuracy") -> tuple[int, dict]:
     """Next-token loss on `batch(step)` until `evaluate()` reaches --target-accuracy on the target task."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     model.train()
@@ -434,11 +445,11 @@ def sft_loop(model, batch, evaluate, args: Args) -> tuple[int, dict]:
         if step % args.eval_every == 0:
             accuracy = evaluate()
             print(f"step {step:4d}  loss {loss.item():.3f}  held-out {accuracy}  ({time.time() - t0:.0f}s)")
-            if accuracy[args.target_task]["accuracy"] >= args.target_accuracy:
+            if accuracy[args.target_task][metric] >= args.target_accuracy:
                 return step, accuracy
     raise cli.UsageError(
         f"--target-accuracy {args.target_accuracy} not reached in --max-steps {args.max_steps} steps "
-        f"(last held-out accuracy {accuracy[args.target_task]['accuracy']:.3f}); raise --max-steps or "
+        f"(last held-out {metric} {accuracy[args.target_task][metric]:.3f}); raise --max-steps or "
         "lower --target-accuracy"
     )
 
@@ -449,7 +460,7 @@ def main(args: Args) -> None:
         args,
         out=args.out or default_out,
         target_task=args.target_task or ("inspection-zoom" if args.tools else "shapes"),
-        target_accuracy=args.target_accuracy or (0.65 if args.tools else 0.4),
+        target_accuracy=args.target_accuracy or (0.9 if args.tools else 0.4),
     )
     check_args(args)
     # NOTE: float reductions depend on the number of threads, so the warm-start trajectory does too. The
