@@ -2,7 +2,8 @@
 
     python scripts/make_tiny_vlm.py            # about a minute on 2 CPU cores
     python scripts/make_tiny_vlm.py --out /tmp/tiny --target-accuracy 0.4
-    python scripts/make_tiny_vlm.py --tools     # assets/tiny-qwen2.5-vl-tools, for --tools zoom (minutes)
+    python scripts/make_tiny_vlm.py --tools --batch-size 16 --eval-every 50 --eval-samples 100
+                                               # assets/tiny-qwen2.5-vl-tools (--tools zoom), about a minute
 
 What it does, in order:
 1. trains a byte-level BPE tokenizer (like Qwen's, but a few hundred tokens) on the text of the built-in
@@ -162,7 +163,9 @@ def build_tokenizer(seed: int, *, with_tools: bool = False) -> PreTrainedTokeniz
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    # NOTE: added but not special, as in Qwen2.5's tokenizer: decoding with skip_special_tokens keeps a call.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in special[len(SPECIAL_TOKENS) :]])
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left"
     )
