@@ -213,9 +213,10 @@ class DataConfig:
     """Training JSONL file(s). Empty: the built-in task `--task`."""
     eval_data: str | None = None
     """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
-    task: Literal["inspection", "shapes", "summaries"] = "inspection"
+    task: Literal["inspection", "shapes", "summaries", "inspection-zoom"] = "inspection"
     """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
-    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries)."""
+    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries),
+    inspection-zoom (one large photo whose small defect mark shows only in a crop: --tools zoom)."""
     prompt_template: str | None = None
     """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
     of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""

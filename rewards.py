@@ -17,6 +17,11 @@ Built-ins (`BUILTIN_REWARDS` name -> function), each 1.0 or 0.0 unless said:
   when not glued to a letter, digit or dot before it (`5-3` reads 3, `1-5` reads 5); no fractions or words.
 - think_answer_format: `<think>…</think><answer>…</answer>`, each tag exactly once, only whitespace outside
   and between the blocks, both blocks non-empty (an empty think block is a collapse not worth paying for).
+- tool_format: the fraction of the completion's tool calls that were well formed, from `sample["tool_calls"]`
+  (the calls' log records, which the trainer adds in a tools run: tools.py), each with an "error" kind or
+  None; a call whose plug-in raised ("tool_raised") counts as well formed. No call scores 0.0, so a task
+  that needs a tool pays for calling it; a single-turn run has no "tool_calls" and scores 0.0 too, a
+  constant that moves no advantage.
 - overlong: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 if
   L <= L_max - L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and
   L_cache = `cache_length` have no defaults (bind them: `load_reward("overlong", max_length=..., ...)`).
@@ -199,6 +204,15 @@ def overlong_penalty(
     return -1.0
 
 
+@needs()  # reads no dataset field: the trainer adds "tool_calls" to the rows of a tools run
+def tool_format(completion: str, sample: Mapping[str, Any]) -> float:
+    """The fraction of the completion's tool calls that were well formed (sample["tool_calls"]); 0.0 with
+    none, so that a task that needs a tool pays for calling it."""
+    calls = sample.get("tool_calls") or []  # NOTE: absent in a single-turn run: no tool, no call, 0.0
+    # A plug-in that raises is the tool's failure, not a malformed call.
+    return sum(call["error"] in (None, "tool_raised") for call in calls) / len(calls) if calls else 0.0
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "label": label_reward,
     "format": format_reward,
@@ -207,6 +221,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
     "think_answer_format": think_answer_format,
     "overlong": overlong_penalty,
+    "tool_format": tool_format,
 }
 
 
@@ -477,6 +492,7 @@ class RewardConfig:
     answer_match: the same after normalising case, spaces and punctuation;
     numeric_match: the last number of the answer is close to the sample's "answer";
     think_answer_format: <think>...</think><answer>...</answer> and nothing else;
+    tool_format: the fraction of the completion's tool calls (--tools) that were well formed, 0 with none;
     iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
     box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
     point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons

@@ -9,6 +9,10 @@ seeded `random.Random`: the same (task, split, seed) always gives the same sampl
 - shapes: one 56x56 photo of a coloured shape; the answer is "red circle" (reward: answer_match).
 - inspection: 1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark; the
   answer is the verdict on line 1 and `理由: ...` on line 2 (rewards: label, format).
+- inspection-zoom: one 448x448 photo of a panel in one of four quadrants, with (probability 1/2) a 2x2-pixel
+  red defect mark on it that the resize to the tiny model's budget (112x112) blurs into the photo's colour
+  noise, but that a crop of the panel at full resolution shows (`zoom` in tools.py; rewards: label, format,
+  tool_format). `zoom_box` is the panel's box, `mark_box` the mark's or None, both in original pixels.
 - summaries: the inspection task from text alone, each photo replaced by a one-line summary of it (the
   second stage of a "summaries first, verdict second" pipeline); the tiny model was not warm-started on it.
 
@@ -26,6 +30,7 @@ TASK_REWARDS = {
     "shapes": ("answer_match",),
     "inspection": ("label", "format"),
     "summaries": ("label", "format"),
+    "inspection-zoom": ("label", "format", "tool_format"),
 }
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
@@ -34,6 +39,7 @@ SHAPES_PROMPT = "what colour and shape is this?"
 INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
 SUMMARIES_PROMPT = "inspect the installation from the photo summaries. answer 通过 or 不通过, then 理由:."
 TASKS = ("shapes", "inspection")  # the image tasks the tiny model was warm-started on
+TOOL_TASKS = ("inspection-zoom",)  # a task the tools asset (assets/tiny-qwen2.5-vl-tools) was warm-started on
 TEXT_TASKS = ("summaries",)  # per-image text summaries instead of images (no vision needed)
 
 
@@ -93,6 +99,54 @@ def _inspection_sample(rng: random.Random, index: int) -> dict:
     }
 
 
+# inspection-zoom: a photo 4 times the tiny processor's 112x112 budget per side, so that a 2x2 mark covers
+# at most a quarter of a resized pixel. Its colours come from a palette ("P" mode: a byte a pixel, a third
+# of RGB's memory): 64 background and 64 panel shades jittered per channel, whose colour noise, after the
+# resize, reaches the red a blurred mark leaves: the largest R - (G+B)/2 of a resized photo is about 15
+# without a mark and 19 with one, and 224 in a crop of the panel with one (mean over 200 samples).
+ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 32, 2  # pixels; a panel's crop is seen enlarged to 56x56
+ZOOM_CORNERS = (96, 320)  # the panel's left (top) edge in the left (top) and right (bottom) half
+_RED = 128  # the palette index after the 2 x 64 shades
+_BACKGROUND_SHADES = bytes(i % 64 for i in range(256))  # random bytes -> shade indices (bytes.translate)
+_PANEL_SHADES = bytes(64 + i % 64 for i in range(256))
+INSPECTION_ZOOM_PROMPT = (
+    "inspect the panel for a small red mark. answer 通过 or 不通过, then 理由:. zoom in with "
+    '<tool_call>{"name": "zoom", "arguments": {"image": 0, "bbox_2d": [x1, y1, x2, y2]}}</tool_call>'
+)
+
+
+def _zoom_palette() -> list[int]:
+    rng = random.Random("inspection-zoom palette")  # fixed: the same shades in every sample and split
+    shades = [(200, 200, 205)] * 64 + [(70, 75, 90)] * 64
+    jittered = [min(255, max(0, v + rng.randint(-35, 35))) for shade in shades for v in shade]
+    return [*jittered, *COLOURS["red"]]
+
+
+def _inspection_zoom_sample(rng: random.Random, index: int) -> dict:
+    """One photo of a panel in one of four quadrants; it fails (不通过) iff the panel has a red 2x2 mark."""
+    S, P, M = ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK
+    image = Image.frombytes("P", (S, S), rng.randbytes(S * S).translate(_BACKGROUND_SHADES))
+    image.putpalette(_zoom_palette())
+    x0, y0 = rng.choice(ZOOM_CORNERS), rng.choice(ZOOM_CORNERS)
+    image.paste(Image.frombytes("P", (P, P), rng.randbytes(P * P).translate(_PANEL_SHADES)), (x0, y0))
+    draw = ImageDraw.Draw(image)
+    mark_box = None
+    if rng.random() < 0.5:
+        mx, my = x0 + rng.randint(6, P - 6 - M), y0 + rng.randint(6, P - 6 - M)
+        draw.rectangle((mx, my, mx + M - 1, my + M - 1), fill=_RED)
+        mark_box = [mx, my, mx + M, my + M]
+    label, reason = ("不通过", "理由: 面板有红色缺陷") if mark_box else ("通过", "理由: 无缺陷")
+    return {
+        "id": f"inspection-zoom-{index}",
+        "images": [image],
+        "prompt": INSPECTION_ZOOM_PROMPT,
+        "label": label,
+        "answer": f"{label}\n{reason}",
+        "zoom_box": [x0, y0, x0 + P, y0 + P],
+        "mark_box": mark_box,
+    }
+
+
 def _summaries_sample(rng: random.Random, index: int) -> dict:
     """The inspection task from text alone: each photo is replaced by a one-line summary of it.
 
@@ -114,6 +168,7 @@ def _summaries_sample(rng: random.Random, index: int) -> dict:
 def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
     """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
     makers = {"shapes": _shapes_sample, "inspection": _inspection_sample, "summaries": _summaries_sample}
+    makers["inspection-zoom"] = _inspection_zoom_sample
     if name not in makers:
         raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(makers)}")
     if split not in ("train", "test"):

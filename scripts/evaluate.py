@@ -100,7 +100,7 @@ class Args:
     # --- data ---
     data: tuple[str, ...] = ()
     """JSONL file(s) to evaluate. Empty: the held-out split of the built-in task `--task`."""
-    task: Literal["inspection", "shapes", "summaries"] = "inspection"
+    task: Literal["inspection", "shapes", "summaries", "inspection-zoom"] = "inspection"
     """Built-in synthetic task used when --data is empty (its held-out split, as in train.py)."""
     prompt_template: str | None = None
     """Text file rendering samples that carry per-image `summaries`, as train.py's --prompt-template."""

@@ -383,7 +383,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def test_builtin_names_resolve_to_builtin_functions():
     names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format"]
-    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
+    assert list(BUILTIN_REWARDS) == [*names, "overlong", "tool_format"]
     assert load_reward("label") is label_reward
 
 

@@ -13,6 +13,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import data
 import grounding
+import rewards
 import tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
@@ -273,3 +274,44 @@ def test_tool_settings_are_checked_naming_the_flag(config, message):
         config.check()
     tools.ToolConfig().check()  # the default: single-turn, no tools
     tools.ToolConfig(tools=("zoom", "m:f"), max_tool_calls=3).check()
+
+
+# --- the tool_format reward -------------------------------------------------------------------------------
+
+
+def test_tool_format_is_the_fraction_of_well_formed_calls_and_zero_without_any(plugin_file):
+    loaded = tools.load_tools(["zoom", "my_tools:divide"])
+    texts = [call(image=0, bbox_2d=BOX), call(image=0, bbox_2d=[0, 0, 99, 9]), call("divide", by=0)]
+    records = [tools.run_call(t, ONE_IMAGE, loaded, frame=None).record for t in texts]
+    assert [r["error"] for r in records] == [None, "bad_box", "tool_raised"]
+    [reward] = rewards.rewards_from_flags(["tool_format"])
+    # ok, malformed, the plug-in's own failure (not the policy's): 2 of 3 well formed
+    samples = [{**ONE_IMAGE, "tool_calls": records}, {**ONE_IMAGE, "tool_calls": records[1:2]}]
+    samples += [{**ONE_IMAGE, "tool_calls": []}, ONE_IMAGE]  # no call; a single-turn run (no field)
+    rewards.check_needs([ONE_IMAGE], [reward])  # it reads no dataset field
+    assert rewards.score(["done"] * 4, samples, [reward]).total == [2 / 3, 0.0, 0.0, 0.0]
+
+
+# --- the tools asset --------------------------------------------------------------------------------------
+
+TOOLS_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl-tools"
+
+
+def test_the_tools_asset_has_one_token_per_tag_and_renders_a_tool_turn_as_qwen25():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOOLS_CHECKPOINT)
+    text = call(image=0, bbox_2d=BOX)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    start, end = tokenizer.convert_tokens_to_ids([tools.TOOL_CALL_START, tools.TOOL_CALL_END])
+    assert ids.count(start) == ids.count(end) == 1 and ids[-1] == end
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "inspect"}]},
+        {"role": "assistant", "content": text},
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "a crop"}]},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith(
+        f"{text}<|im_end|>\n<|im_start|>user\n<tool_response>\n<|vision_start|><|image_pad|><|vision_end|>"
+        "a crop\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
