@@ -164,6 +164,31 @@ def choose_micro_batch(config: Any, *, budget_bytes: int, **shapes: Any) -> tupl
     return 1, True
 
 
+def fit(
+    config: Any, budget: int, micro_batch_size: int | None, gradient_checkpointing: bool, **shapes: Any
+) -> tuple[int, bool, list[str]]:
+    """(micro-batch, checkpointing, the lines to print): `choose_micro_batch`'s choice when `micro_batch_size`
+    is None, else the size given; then the estimate of that choice, and a warning if it exceeds `budget`."""
+    lines = []
+    if micro_batch_size is None:
+        micro_batch_size, gradient_checkpointing = choose_micro_batch(
+            config, budget_bytes=budget, gradient_checkpointing=gradient_checkpointing, **shapes
+        )
+        on = "on" if gradient_checkpointing else "off"
+        lines.append(f"--micro-batch-size auto: {micro_batch_size} rows, gradient checkpointing {on}")
+    phases = estimate(
+        config, micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing, **shapes
+    )
+    N, P, T = shapes["rows"], shapes["prompt_len"], shapes["completion_len"]
+    head = f"memory estimate (memory.py) for N={N} rows, P={P}, T={T}, budget {budget / GIB:.1f} GiB:"
+    if phases["peak"] > budget:
+        lines.append(
+            f"warning: the estimated peak, {phases['peak'] / GIB:.1f} GiB, exceeds the budget: lower "
+            "--micro-batch-size, --batch-size, --group-size, --max-new-tokens or the images' size"
+        )
+    return micro_batch_size, gradient_checkpointing, [head, *format_table(phases), *lines]
+
+
 def format_table(phases: dict[str, int]) -> list[str]:
     """`estimate`'s phases as lines: name, GiB (MiB when the peak is below 1 GiB)."""
     unit, size = ("GiB", GIB) if phases["peak"] >= GIB else ("MiB", 2**20)

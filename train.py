@@ -562,14 +562,12 @@ def fit_memory(
     longest_prompt: int,
     budget: int | None = None,
 ) -> tuple[speedups.SpeedConfig, list[str]]:
-    """The speed settings with --micro-batch-size auto (the default on CUDA) resolved: the largest micro-batch
-    (checkpointing only if needed) whose memory.py estimate fits `budget` (default: the device's); on CUDA or
-    with auto, the lines that print the estimate and the choice. An explicit size is kept as given."""
+    """The speed settings with --micro-batch-size auto (the default on CUDA) resolved by `memory.fit`, and the
+    lines that print the estimate and the choice (on CUDA or with auto). An explicit size is kept as given."""
     speed = args.speed
     auto = speed.micro_batch_size == "auto" or (speed.micro_batch_size is None and device.type == "cuda")
     if not auto and device.type != "cuda":
         return speed, []
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)  # the base, adapters aside
     shapes = dict(
         rows=args.batch_size * args.group_size,
         prompt_len=longest_prompt,
@@ -580,29 +578,14 @@ def fit_memory(
         trunk_reuse=speed.trunk_reuse,
         shared_prefill=speed.shared_prefill,
         group_size=args.group_size,
-        num_params=frozen,
+        num_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),  # adapters aside
     )
     budget = memory.device_budget(device) if budget is None else budget
-    lines, checkpointing = [], speed.gradient_checkpointing
-    if auto:
-        size, checkpointing = memory.choose_micro_batch(
-            model.config, budget_bytes=budget, gradient_checkpointing=checkpointing, **shapes
-        )
-        speed = dataclasses.replace(speed, micro_batch_size=size, gradient_checkpointing=checkpointing)
-        lines.append(
-            f"--micro-batch-size auto: {size} rows, gradient checkpointing {'on' if checkpointing else 'off'}"
-        )
-    phases = memory.estimate(
-        model.config, micro_batch_size=speed.micro_batch_size, gradient_checkpointing=checkpointing, **shapes
+    size = None if auto else speed.micro_batch_size  # None: memory.fit chooses
+    size, checkpointing, lines = memory.fit(
+        model.config, budget, size, speed.gradient_checkpointing, **shapes
     )
-    N, P, T = shapes["rows"], longest_prompt, shapes["completion_len"]
-    head = f"memory estimate (memory.py) for N={N} rows, P={P}, T={T}, budget {budget / memory.GIB:.1f} GiB:"
-    if phases["peak"] > budget:
-        lines.append(
-            f"warning: the estimated peak, {phases['peak'] / memory.GIB:.1f} GiB, exceeds the budget: lower "
-            "--micro-batch-size, --batch-size, --group-size, --max-new-tokens or the images' size"
-        )
-    return speed, [head, *memory.format_table(phases), *lines]
+    return dataclasses.replace(speed, micro_batch_size=size, gradient_checkpointing=checkpointing), lines
 
 
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
