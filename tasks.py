@@ -103,10 +103,10 @@ def _inspection_sample(rng: random.Random, index: int) -> dict:
 # at most a quarter of a resized pixel. Its colours come from a palette ("P" mode: a byte a pixel, a third
 # of RGB's memory): 64 background and 64 panel shades jittered per channel, whose colour noise, after the
 # resize, reaches the red a blurred mark leaves: the largest R - (G+B)/2 of a resized photo is about 15
-# without a mark and 19 with one, and 224 in a crop of the panel with one (mean over 200 samples).
+# without a mark and 21 with one, and 222 in a crop of the panel with one (mean over 200 samples).
 # The panel sits at the centre, 8 pixels wide, so that its crop, enlarged to 56x56, shows the mark 14 pixels
-# wide (one vision patch): the tiny model's 2-block vision tower learns to see that in 200 steps, but not
-# a mark 7 or 3.5 pixels wide (a 16 or 32 pixel panel) in 400, nor where a panel is on the photo.
+# wide (one vision patch): the tiny model's 2-block vision tower learns to see that in a crop alone in 200
+# steps, but not a mark 7 or 3.5 pixels wide (a 16 or 32 pixel panel) in 400, nor where a panel is.
 ZOOM_PHOTO, ZOOM_PANEL, ZOOM_MARK = 448, 8, 2  # pixels
 _RED = 128  # the palette index after the 2 x 64 shades
 _BACKGROUND_SHADES = bytes(i % 64 for i in range(256))  # random bytes -> shade indices (bytes.translate)
