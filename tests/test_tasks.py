@@ -66,7 +66,7 @@ def test_inspection_zoom_mark_vanishes_in_the_resized_photo_but_is_clear_in_a_cr
 def test_inspection_zoom_samples_name_the_panel_and_the_mark_in_original_pixels():
     for s in tasks.make_task("inspection-zoom", 100, seed=1):
         x1, y1, x2, y2 = s["zoom_box"]
-        assert s["images"][0].size == (448, 448) and x2 - x1 == y2 - y1 == 32
+        assert s["images"][0].size == (448, 448) and x2 - x1 == y2 - y1 == 8
         assert (s["mark_box"] is None) == (s["label"] == "通过")
         if s["mark_box"]:
             mx1, my1, mx2, my2 = s["mark_box"]
