@@ -59,28 +59,24 @@ import data
 import distributed
 import grpo
 import lora
+import memory
 import model_io
 import speedups
 
-# Qwen2.5-VL's public config.json (Qwen/Qwen2.5-VL-3B-Instruct, -7B-Instruct), and a tiny model of the kind:
-# name -> (text config, vision config, first special id). mrope_section: head_dim / 2 split over (t, h, w).
+# Qwen2.5-VL's public config.json numbers (memory.QWEN25_VL, shared with the estimate) with what a random
+# build needs beside them, and a tiny model of the kind: name -> (text config, vision config, first special
+# id).
+# mrope_section: head_dim / 2 split over (t, h, w).
 QWEN_ROPE = dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24])
-QWEN_VISION = dict(depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, window_size=112)
+QWEN_VISION = dict(num_heads=16, window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
 SHAPES = {
-    "3b": (
-        dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2)
-        | dict(intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)
-        | dict(rope_parameters=QWEN_ROPE),
-        QWEN_VISION | dict(out_hidden_size=2048, fullatt_block_indexes=[7, 15, 23, 31]),
+    name: (
+        numbers["text_config"] | dict(rope_parameters=QWEN_ROPE),
+        numbers["vision_config"] | QWEN_VISION,
         151643,
-    ),
-    "7b": (
-        dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4)
-        | dict(intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
-        | dict(rope_parameters=QWEN_ROPE),
-        QWEN_VISION | dict(out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31]),
-        151643,
-    ),
+    )
+    for name, numbers in memory.QWEN25_VL.items()
+} | {
     "tiny": (
         dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
         | dict(intermediate_size=128, vocab_size=512, tie_word_embeddings=True)
@@ -415,8 +411,6 @@ def phase_clock(device: torch.device) -> tuple[Callable, dict[str, float], dict[
 
 
 def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str]:
-    import memory  # memory.py: the estimate from the shapes
-
     phase, ms, peak = phase_clock(s.device)
     plan = speedups.choose(model, s.speed, last_k=s.lora.lora_last_k)
     torch.manual_seed(s.seed)

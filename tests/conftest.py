@@ -36,6 +36,9 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
+import lora
+import model_io
+
 torch.set_num_threads(1)
 
 # Token ids of the random VLM (it has no tokenizer; tests write ids directly).
@@ -224,3 +227,19 @@ def train_args(**flags):
         name: cls(**{k: v for k, v in flags.items() if owner.get(k) == name}) for name, cls in groups.items()
     }
     return train.Args(**{k: v for k, v in flags.items() if k not in owner}, **nested)
+
+
+def lora_model_with_gradients(checkpoint: Path = TINY_CHECKPOINT):
+    """A checkpoint with LoRA as `main` injects it, and B != 0 so that every A gets a gradient too:
+    (model, tokenizer, image_processor)."""
+    model, tokenizer, image_processor = model_io.load_model(
+        str(checkpoint), device="cpu", dtype=torch.float32
+    )
+    torch.manual_seed(0)
+    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            if torch.count_nonzero(p) == 0:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    return model, tokenizer, image_processor

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, train_args
+from conftest import lora_model_with_gradients, make_run, train_args
 from safetensors.torch import load_file
 
 import checkpoints
@@ -55,21 +55,6 @@ def update_args(loss_type: str) -> train.Args:
     )
 
 
-def tiny_model_with_lora():
-    """The shipped tiny VLM with LoRA as `main` builds it, and B != 0 so that every A gets a gradient too."""
-    model, tokenizer, image_processor = model_io.load_model(
-        model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32
-    )
-    torch.manual_seed(0)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in lora.lora_parameters(model):
-            if torch.count_nonzero(p) == 0:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model, tokenizer, image_processor
-
-
 def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world_size: int) -> train.Rollout:
     """Rank `rank`'s share of the fixed rollout: whole groups, rows [rank*n, (rank+1)*n), with their
     images."""
@@ -95,7 +80,7 @@ def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world
 def one_update(fixed: dict, rank: int, world_size: int) -> dict:
     """For each loss_type: one policy_update from the fixed LoRA weights; the gradients, weights and stats
     after."""
-    model, _, _ = tiny_model_with_lora()
+    model, _, _ = lora_model_with_gradients()
     results = {}
     for loss_type in grpo.LOSS_TYPES:
         args = update_args(loss_type)
@@ -120,7 +105,7 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
 def fixed_rollout(tmp_path_factory) -> Path:
     """One rollout of WORLD*B prompts, saved for the ranks: inputs, completions, advantages, old/ref
     log-probs."""
-    model, tokenizer, image_processor = tiny_model_with_lora()
+    model, tokenizer, image_processor = lora_model_with_gradients()
     args = update_args("dapo")
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
@@ -240,7 +225,7 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
 def held_out_evaluation(rank: int, world_size: int) -> dict:
     """train.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, and the
     size of every batch this rank decoded."""
-    model, tokenizer, image_processor = tiny_model_with_lora()
+    model, tokenizer, image_processor = lora_model_with_gradients()
     args = train_args(device="cpu", max_new_tokens=8, eval_image_ablation="blank")
     held_out = tasks.make_task("inspection", 5, split="test", seed=0)
     reward_fns = train.resolve_rewards(args, "inspection")

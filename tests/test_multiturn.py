@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CHECKPOINT, VLM_FAMILIES, make_run, train_args
+from conftest import TINY_CHECKPOINT, VLM_FAMILIES, lora_model_with_gradients, make_run, train_args
 from PIL import Image
 from test_families import adapted
 from transformers import AutoImageProcessor, AutoTokenizer
@@ -437,21 +437,6 @@ def test_evaluate_script_runs_tools_and_reports_the_calls(tools_checkpoint, tmp_
 B, WORLD = 2, 2
 
 
-def lora_model(checkpoint: Path):
-    """The checkpoint with LoRA as `main` injects it, B made non-zero so that every A gets a gradient."""
-    model, tokenizer, image_processor = model_io.load_model(
-        str(checkpoint), device="cpu", dtype=torch.float32
-    )
-    torch.manual_seed(0)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in lora.lora_parameters(model):
-            if torch.count_nonzero(p) == 0:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model, tokenizer, image_processor
-
-
 def update_args() -> train.Args:
     flags = dict(TOOLS_RUN, group_size=G, batch_size=B, num_iterations=2, micro_batch_size=3, beta=0.04)
     return train_args(**flags)
@@ -461,7 +446,7 @@ def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> di
     """One policy_update on this rank's rows of the fixed rollout: the gradients, weights and stats after."""
     from test_distributed import rank_rollout
 
-    fixed, (model, _, _) = torch.load(fixed_path), lora_model(checkpoint)
+    fixed, (model, _, _) = torch.load(fixed_path), lora_model_with_gradients(checkpoint)
     with torch.no_grad():
         for p, saved in zip(lora.lora_parameters(model), fixed["lora"]):
             p.copy_(saved)
@@ -483,7 +468,7 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     from test_distributed import torchrun
 
     monkeypatch.setattr(tools, "run_call", stand_in_call)
-    model, tokenizer, image_processor = lora_model(tools_checkpoint)
+    model, tokenizer, image_processor = lora_model_with_gradients(tools_checkpoint)
     args = update_args()
     use = train.tool_use(args, model, tokenizer, image_processor, rank=1)
     fields = dict(tokenizer=tokenizer, image_processor=image_processor, tools=use, box_frame=None)
