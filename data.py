@@ -44,7 +44,7 @@ from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-import tasks
+from grpo_vlm import tasks
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
 EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error

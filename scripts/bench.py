@@ -59,14 +59,11 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
 import data
 import grpo
 import lora
 import model_io
-import speedups
-import tasks
-import train
+from grpo_vlm import cli, speedups, tasks, train
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
 

@@ -4,7 +4,7 @@
     python scripts/compare_variants.py --seeds 0 --parallel 1 --extra-flags --num-iterations 2
     python scripts/compare_variants.py --table-only          # re-read the finished runs, print the table
 
-Each run is `python train.py --seed S --eval-every 50 --output-dir <out>/<variant>-s<S> <flags>` with one
+Each run is `python -m grpo_vlm --seed S --eval-every 50 --output-dir <out>/<variant>-s<S> <flags>` with one
 torch thread; its wall time is measured around the process. A finished run (its metrics.jsonl reaches the
 last step) is not run again. The table gives the held-out accuracy at steps 50 and 100 for every seed, the
 median wall time and, for dynamic sampling, the mean number of groups sampled per step.
@@ -29,7 +29,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import cli
+from grpo_vlm import cli
 from scripts import outputs
 
 VARIANTS = {  # name -> (label, flags)
@@ -65,7 +65,7 @@ def run_one(args: Args, name: str, seed: int) -> None:
     out = Path(args.out) / f"{name}-s{seed}"
     if finished(out, args.steps):
         return
-    command = [sys.executable, str(ROOT / "train.py"), "--seed", str(seed), "--steps", str(args.steps)]
+    command = [sys.executable, "-m", "grpo_vlm", "--seed", str(seed), "--steps", str(args.steps)]
     command += ["--eval-every", "50", "--log-completions-every", "0", "--output-dir", str(out), "--overwrite"]
     command += VARIANTS[name][1].split() + list(args.extra_flags)
     start, log_path = time.time(), Path(f"{out}.log")

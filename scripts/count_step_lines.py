@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import tyro
 
-import train
+from grpo_vlm import train
 
 PROJECT_FILES = {str(p) for p in ROOT.glob("*.py")}
 

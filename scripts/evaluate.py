@@ -67,18 +67,12 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
 import data
-import distributed
-import grounding
 import grpo
 import lora
 import model_io
-import multiturn
 import rewards
-import speedups
-import tasks
-import tools
+from grpo_vlm import cli, distributed, grounding, multiturn, speedups, tasks, tools
 from scripts import outputs
 
 

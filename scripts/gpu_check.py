@@ -54,14 +54,11 @@ import tyro
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
 import data
-import distributed
 import grpo
 import lora
-import memory
 import model_io
-import speedups
+from grpo_vlm import cli, distributed, memory, speedups
 
 # Qwen2.5-VL's public config.json numbers (memory.QWEN25_VL, shared with the estimate) with what a random
 # build needs beside them, and a tiny model of the kind: name -> (text config, vision config, first special

@@ -54,12 +54,9 @@ from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLFo
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
 import data
-import grounding
 import rewards
-import tasks
-import tools
+from grpo_vlm import cli, grounding, tasks, tools
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # pad

@@ -15,7 +15,7 @@ import tyro
 from transformers import Qwen2_5_VLConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import memory
+from grpo_vlm import memory
 
 
 @dataclass

@@ -44,8 +44,7 @@ if __name__ == "__main__":  # NOTE: a Ctrl-C while the imports run exits 130, wi
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
-import tasks
+from grpo_vlm import cli, tasks
 from scripts import outputs
 
 

@@ -26,8 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import cli
-import logs
+from grpo_vlm import cli, logs
 
 
 def same_or_inside(a: str | os.PathLike, b: str | os.PathLike) -> bool:

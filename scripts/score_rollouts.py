@@ -66,10 +66,9 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
-import grounding
 import grpo
 import rewards
+from grpo_vlm import cli, grounding
 from scripts import outputs
 
 

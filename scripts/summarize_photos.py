@@ -6,7 +6,7 @@ installation, which stage B (train.py, evaluate.py) reads as it is.
     python scripts/summarize_photos.py --photos shots/ --group-by pattern --pattern '(?P<group>.+)_\\d+' \\
         --prompt-template prompts/bolts.txt --output runs/stage_a/bolts.jsonl   # shots/**/site3_1.jpg ...
     tail -f runs/stage_a/bolts.jsonl                        # one line per group, as soon as it is done
-    python train.py --data runs/stage_a/bolts.jsonl --prompt-template assets/summaries_template.txt \\
+    python -m grpo_vlm --data runs/stage_a/bolts.jsonl --prompt-template assets/summaries_template.txt \\
         --reward label format                               # stage B: the verdict from the summaries
 
 Groups. `--group-by folder`: each immediate sub-folder of --photos is one installation, its name the group
@@ -81,13 +81,11 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cli
 import data
-import distributed
 import grpo
 import model_io
 import rewards
-import speedups
+from grpo_vlm import cli, distributed, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (

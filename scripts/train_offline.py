@@ -60,14 +60,11 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import checkpoints
-import cli
 import data
-import distributed
 import grpo
-import logs
 import lora
 import model_io
+from grpo_vlm import checkpoints, cli, distributed, logs
 from scripts import mock_rollouts, outputs
 
 

@@ -202,8 +202,7 @@ def random_causal_lm() -> Qwen2ForCausalLM:
 
 def make_run(model, args, **fields):
     """A train.Run around `model` with the speed-up parts `args` asks for, as train.build_run makes it."""
-    import speedups
-    import train
+    from grpo_vlm import speedups, train
 
     tokenizer = fields.get("tokenizer")
     sampling = train.sampling_options(args, tokenizer) if tokenizer is not None else {}
@@ -215,7 +214,7 @@ def make_run(model, args, **fields):
 def train_args(**flags):
     """train.Args from flat flag names (`beta=0.1`, `micro_batch_size=4`), each handed to the settings group
     that owns it, as the command line does (`--beta 0.1`)."""
-    import train
+    from grpo_vlm import train
 
     groups = {
         f.name: f.default_factory

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoints
+from grpo_vlm import checkpoints
 
 # --- checkpoints --------------------------------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 one-line errors with exit status 2, clean stops by signal (130) at any moment, rollouts.jsonl, help.
 
 Runs use the embedded tiny model with small settings (a second or two each); the subprocess tests run the real
-`python train.py` and deliver real signals, from inside the child at a chosen moment (a patched function sends
-the signal to its own process, so the moment is exact and the test does not depend on timing).
+`python -m grpo_vlm` and deliver real signals, from inside the child at a chosen moment (a patched function
+sends the signal to its own process, so the moment is exact and the test does not depend on timing).
 """
 
 import hashlib
@@ -20,10 +20,8 @@ import pytest
 import torch
 from conftest import train_args
 
-import checkpoints
-import cli
 import model_io
-import train
+from grpo_vlm import checkpoints, cli, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=4, max_new_tokens=8, seed=0)
@@ -43,10 +41,12 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 
 def run_train(*flags: str, cwd: Path, preamble: str = "", timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python train.py FLAGS` in a child process; `preamble` runs first (to patch a function in train)."""
+    """`python -m grpo_vlm FLAGS` in a child process; `preamble` runs first (to patch a function in train)."""
     script = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = ['train.py', *{list(flags)!r}]\n"
-        "import cli, train, tyro\n" + preamble + "\ncli.run(train.main, tyro.cli(train.Args))\n"
+        "import tyro\nfrom grpo_vlm import cli, train\n"
+        + preamble
+        + "\ncli.run(train.main, tyro.cli(train.Args))\n"
     )
     return subprocess.run(
         [sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
@@ -196,9 +196,9 @@ SIGNAL_DURING = {
 
 @pytest.mark.parametrize("after_s", [0.5, 2.0])
 def test_ctrl_c_while_the_imports_run_exits_130_without_a_traceback_and_writes_nothing(tmp_path, after_s):
-    """`python train.py` interrupted in its first seconds (torch and transformers importing, or set-up)."""
+    """`python -m grpo_vlm` interrupted in its first seconds (torch and transformers importing, or set-up)."""
     out = tmp_path / "run"
-    command = [sys.executable, str(ROOT / "train.py"), "--output-dir", str(out), *SMALL_FLAGS]
+    command = [sys.executable, "-m", "grpo_vlm", "--output-dir", str(out), *SMALL_FLAGS]
     child = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(after_s)
     child.send_signal(signal.SIGINT)
@@ -274,7 +274,7 @@ def test_steps_without_learning_signal_are_flagged_with_a_hint(tmp_path, capsys)
 
 def test_help_describes_every_builtin_reward_and_when_reward_is_required():
     child = subprocess.run(
-        [sys.executable, "train.py", "--help"],
+        [sys.executable, "-m", "grpo_vlm", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,13 +11,10 @@ from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
 
 import data
-import grounding
 import grpo
 import model_io
 import rewards
-import speedups
-import tasks
-import train
+from grpo_vlm import grounding, speedups, tasks, train
 from scripts import evaluate
 
 GROUNDING = list(data.GROUNDING_TOKENS)

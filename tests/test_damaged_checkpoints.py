@@ -13,10 +13,8 @@ import pytest
 import torch
 from conftest import train_args
 
-import checkpoints
-import cli
 import model_io
-import train
+from grpo_vlm import checkpoints, cli, train
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
@@ -106,7 +104,7 @@ def test_a_newest_checkpoint_file_cut_short_or_emptied_is_reported_and_the_older
 
 def resume_in_a_process(run: Path, resume: Path) -> subprocess.CompletedProcess:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
-    command = [sys.executable, str(ROOT / "train.py"), "--resume", str(resume), *flags]
+    command = [sys.executable, "-m", "grpo_vlm", "--resume", str(resume), *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
 
 

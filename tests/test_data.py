@@ -20,7 +20,7 @@ from PIL import Image
 import data
 import grpo
 import model_io
-import tasks
+from grpo_vlm import tasks
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")

@@ -39,14 +39,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from transformers import AutoImageProcessor, AutoTokenizer
 
-import cli
 import data
-import distributed
 import grpo
 import lora
 import model_io
-import speedups
-import train
+from grpo_vlm import cli, distributed, speedups, train
 
 OTHER = torch.device("meta")
 
@@ -370,7 +367,7 @@ def child(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 def test_flash_attention_without_its_package_is_refused_in_one_line_and_so_is_a_zero_timeout(tmp_path):
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
-    train_py, out = str(ROOT / "train.py"), str(tmp_path / "run")
+    train_py, out = "-m", "grpo_vlm", str(tmp_path / "run")
     done = child(sys.executable, train_py, "--attn-implementation", "flash_attention_2", "--output-dir", out)
     message = (
         "flash_attention_2 needs the flash-attn package (pip install flash-attn; CUDA only); or use sdpa"
@@ -395,7 +392,7 @@ def test_a_deterministic_run_requests_deterministic_kernels_and_on_cpu_trains_as
     # switches and the attention the model was loaded with; the same run here, without --deterministic,
     # writes the same metrics (the CPU's kernels are deterministic anyway).
     report = (
-        "import json, os, sys, torch, tyro, cli, model_io, train\n"
+        "import json, os, sys, torch, tyro, model_io\nfrom grpo_vlm import cli, train\n"
         "loaded = []\n"
         "load = model_io.load_model\n"
         "model_io.load_model = lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1]\n"
@@ -425,7 +422,8 @@ def test_deterministic_top_p_sampling_on_cuda_is_refused_before_anything_starts(
 
 
 DIST_TIMEOUT_RANK = """
-import sys, time, torch, tyro, distributed, train
+import sys, time, torch, tyro
+from grpo_vlm import distributed, train
 args = tyro.cli(train.Args, args=["--dist-timeout", sys.argv[1]])
 rank, _ = distributed.init_distributed(torch.device("cpu"), timeout_minutes=args.dist_timeout)
 start = time.time()

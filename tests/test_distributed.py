@@ -26,15 +26,11 @@ import torch
 from conftest import lora_model_with_gradients, make_run, train_args
 from safetensors.torch import load_file
 
-import checkpoints
 import data
-import distributed
 import grpo
 import lora
 import model_io
-import speedups
-import tasks
-import train
+from grpo_vlm import checkpoints, distributed, speedups, tasks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
@@ -182,7 +178,7 @@ FLAGS = (
 
 
 def train_on_two_ranks(out: Path, *flags: str) -> subprocess.CompletedProcess:
-    return torchrun(str(ROOT / "train.py"), *FLAGS.split(), *flags, "--output-dir", str(out), cwd=out.parent)
+    return torchrun("-m", "grpo_vlm", *FLAGS.split(), *flags, "--output-dir", str(out), cwd=out.parent)
 
 
 @pytest.fixture(scope="module")
@@ -282,13 +278,16 @@ def test_a_reward_failing_on_another_ranks_evaluation_share_stops_every_rank_aft
     out = tmp_path / "run"
     flags = f"{FLAGS} --eval-size 51 --max-new-tokens 4 --save-every 100 --steps 2"  # rank 1: sample 50
     command = [*flags.split(), "--reward", f"{plugin}:judge", "--output-dir", str(out)]
-    done = torchrun(str(ROOT / "train.py"), *command, cwd=tmp_path, succeeds=False)
-    assert f'File "{ROOT / "train.py"}"' not in done.stderr  # no rank's traceback (torchrun prints its own)
+    done = torchrun("-m", "grpo_vlm", *command, cwd=tmp_path, succeeds=False)
+    assert (
+        f'File "{ROOT / "grpo_vlm" / "train.py"}"' not in done.stderr
+    )  # no rank's traceback (torchrun prints its own)
     assert "error: raised by reward" in done.stderr  # rank 1's own error
     assert (  # and rank 0's: it wrote the checkpoint before any rank exited
         "error: evaluation on rank 1: raised by reward" in done.stderr
         and "judge is broken (at " in done.stderr
-        and f"checkpoint of step 1 written. Once that is fixed, continue with: python train.py --resume {out}"
+        and "checkpoint of step 1 written. Once that is fixed, continue with: "
+        f"python -m grpo_vlm --resume {out}"
         in done.stderr
     )
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]

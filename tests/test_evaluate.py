@@ -16,10 +16,10 @@ import pytest
 import torch
 import tyro
 
-import cli
 import lora
 import model_io
 import rewards
+from grpo_vlm import cli
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -39,11 +39,9 @@ from test_grpo import hand_completions, sample, text_inputs, vlm_inputs
 from test_speed import SAMPLING, K, assert_same, logprobs_and_grads
 from transformers import AutoImageProcessor, AutoTokenizer
 
-import cli
 import grpo
 import lora
-import speedups
-import train
+from grpo_vlm import cli, speedups, train
 
 G = 3  # completions per prompt: B = 2 prompts, N = 6 rows
 NUM_LAYERS = 4  # make_random_model's default

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import grounding
 import rewards
-from grounding import (
+from grpo_vlm import grounding
+from grpo_vlm.grounding import (
     FRAMES,
     box_f1,
     box_iou,

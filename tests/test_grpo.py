@@ -12,7 +12,7 @@ from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, PATCH_DIM, VISION_END_ID, VIS
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo
-import speedups
+from grpo_vlm import speedups
 
 IMAGE = [VISION_START_ID] + [IMAGE_PAD_ID] * 4 + [VISION_END_ID]  # grid (1, 4, 4): 16 patches -> 4 tokens
 GRID = [1, 4, 4]

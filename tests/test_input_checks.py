@@ -16,13 +16,11 @@ import torch
 from conftest import train_args
 from PIL import Image
 
-import cli
 import data
-import grounding
 import lora
 import model_io
 import rewards
-import train
+from grpo_vlm import cli, grounding, train
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
@@ -31,7 +29,17 @@ TINY = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=8, eval_size=0, 
 
 def train_command(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     out = tmp_path / "run"
-    command = [sys.executable, "train.py", "--output-dir", str(out), "--steps", "1", "--batch-size", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "grpo_vlm",
+        "--output-dir",
+        str(out),
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+    ]
     command += ["--group-size", "2", "--max-new-tokens", "8", "--eval-every", "1000", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import logs
+from grpo_vlm import logs
 
 ROOT = Path(__file__).resolve().parents[1]
 

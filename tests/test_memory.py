@@ -14,11 +14,8 @@ from conftest import train_args
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 import lora
-import memory
 import model_io
-import speedups
-import tasks
-import train
+from grpo_vlm import memory, speedups, tasks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 README_SHAPES = dict(rows=64, prompt_len=1200, completion_len=256, last_k=4, lora_r=16, dtype_bytes=2)
@@ -181,7 +178,7 @@ def tiny_model():
 def test_micro_batch_size_auto_prints_its_choice_and_a_resume_may_change_it(tmp_path):
     out = tmp_path / "run"
     tiny = ["--batch-size", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-every", "1000"]
-    command = [sys.executable, "train.py", *tiny, "--output-dir", str(out)]
+    command = [sys.executable, "-m", "grpo_vlm", *tiny, "--output-dir", str(out)]
     first = subprocess.run(
         [*command, "--steps", "1", "--micro-batch-size", "auto"],
         cwd=ROOT,
@@ -193,7 +190,17 @@ def test_micro_batch_size_auto_prints_its_choice_and_a_resume_may_change_it(tmp_
     assert "memory estimate (memory.py) for N=4 rows" in first.stdout
     assert "--micro-batch-size auto: 4 rows, gradient checkpointing off" in first.stdout
     assert json.loads((out / "run.json").read_text())["args"]["speed"]["micro_batch_size"] == "auto"
-    resume = [sys.executable, "train.py", "--resume", str(out), "--steps", "2", "--micro-batch-size", "1"]
+    resume = [
+        sys.executable,
+        "-m",
+        "grpo_vlm",
+        "--resume",
+        str(out),
+        "--steps",
+        "2",
+        "--micro-batch-size",
+        "1",
+    ]
     second = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, check=False)
     assert second.returncode == 0, second.stderr
     assert "memory estimate" not in second.stdout  # an explicit size, on the CPU: nothing to choose or print

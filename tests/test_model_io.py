@@ -19,12 +19,11 @@ from conftest import make_random_causal_lm
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
 
-import checkpoints
 import data
 import grpo
 import lora
 import model_io
-import tasks
+from grpo_vlm import checkpoints, tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "assets" / "tiny-qwen2.5-vl"
@@ -194,7 +193,8 @@ def test_an_adapter_with_nan_or_inf_weights_is_refused_naming_the_file_and_the_t
 
 # What `--resume` reads: the checkpoint's trainer state, then its adapter into the model.
 RESUME = """
-import sys, torch, checkpoints, model_io
+import sys, torch, model_io
+from grpo_vlm import checkpoints
 from pathlib import Path
 model = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[0]
 for run in sys.argv[1:]:

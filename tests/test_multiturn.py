@@ -28,17 +28,11 @@ from PIL import Image
 from test_families import adapted
 from transformers import AutoImageProcessor, AutoTokenizer
 
-import cli
 import data
-import distributed
 import grpo
 import lora
 import model_io
-import multiturn
-import speedups
-import tasks
-import tools
-import train
+from grpo_vlm import cli, distributed, multiturn, speedups, tasks, tools, train
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]

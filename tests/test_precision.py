@@ -28,7 +28,7 @@ from torch import nn
 import grpo
 import lora
 import model_io
-import speedups
+from grpo_vlm import speedups
 
 LR, STEPS = 2e-5, 5
 IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID = 5, 3, 4  # assets/tiny-qwen2.5-vl/config.json

@@ -20,12 +20,10 @@ import torch
 from conftest import train_args
 from PIL import Image
 
-import checkpoints
-import cli
 import grpo
 import lora
 import model_io
-import train
+from grpo_vlm import checkpoints, cli, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(
@@ -110,7 +108,8 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadabl
     script = f"""
 import os, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-import checkpoints, model_io, train
+import model_io
+from grpo_vlm import checkpoints, train
 real_write, calls = model_io.write_file, []
 def dying_write(path, content, **kwargs):
     calls.extend([path] if path.name == checkpoints.STATE_FILE else [])

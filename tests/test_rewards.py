@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import cli
+from grpo_vlm import cli
 from rewards import (
     BUILTIN_REWARDS,
     Reward,

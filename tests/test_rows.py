@@ -13,9 +13,7 @@ from conftest import make_run
 from test_train import load_tiny_with_lora, make_rollout, small_args
 
 import grpo
-import speedups
-import tasks
-import train
+from grpo_vlm import speedups, tasks, train
 
 PATHS = {  # (shared_prefill, trunk_reuse): whether a log-prob pass reads the rows' pixels
     "recorded trunk (default)": ((True, True), False),

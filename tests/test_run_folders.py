@@ -1,7 +1,7 @@
 """Run folders: one writer per folder, run.json as the folder's marker, --resume as the recorded run, and a
 run stopped in the user's code (a failing or slow reward plug-in) that leaves a checkpoint to continue from.
 
-Processes, signals and files are real where the behaviour is about them: `python train.py` in a child
+Processes, signals and files are real where the behaviour is about them: `python -m grpo_vlm` in a child
 process on the embedded tiny model, a reward plug-in that waits on a file so that the test decides when a
 run is busy, SIGTERM and SIGKILL delivered by the operating system.
 """
@@ -17,9 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
-import checkpoints
-import cli
-import train
+from grpo_vlm import checkpoints, cli, train
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = [
@@ -39,12 +37,12 @@ SMALL = dict(train_size=16, eval_size=0, batch_size=2, group_size=2, max_new_tok
 
 
 def train_py(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "train.py"), *flags]
+    command = [sys.executable, "-m", "grpo_vlm", *flags]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
 
 
 def start_train_py(*flags: str, cwd: Path) -> subprocess.Popen:
-    command = [sys.executable, str(ROOT / "train.py"), *flags]
+    command = [sys.executable, "-m", "grpo_vlm", *flags]
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -134,7 +132,7 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
     assert first.returncode == 0, first.stderr[-2000:]
     recorded, before = json.loads((out / "run.json").read_text()), tree_digest(out)
 
-    # The command line of `python train.py --resume DIR ...` (train.command_line), in this process.
+    # The command line of `python -m grpo_vlm --resume DIR ...` (train.command_line), in this process.
     refused = ["--resume", str(out), "--steps", "4", "--batch-size", "16", "--lr", "0.001"]
     with pytest.raises(cli.UsageError) as error:
         train.main(train.command_line(refused))
@@ -155,7 +153,7 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
     capsys.readouterr()
     assert train.main(train.command_line(["--resume", str(out)])) == {}
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
-        f"{out}: the run is finished at step 4; to train further: python train.py --resume {out} "
+        f"{out}: the run is finished at step 4; to train further: python -m grpo_vlm --resume {out} "
         "--steps M (M > 4)"
     )
     assert tree_digest(out) == before
@@ -184,7 +182,7 @@ def test_a_signal_during_a_slow_reward_stops_at_once_with_the_last_finished_step
     assert "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         "stopped by SIGTERM while a reward function ran; checkpoint of step 1 written. Continue with: "
-        f"python train.py --resume {out}"
+        f"python -m grpo_vlm --resume {out}"
     )
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
     assert steps_of(out / "metrics.jsonl") == [0, 1]
@@ -209,7 +207,7 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_and_the_fixed_run_resum
     with pytest.raises(ValueError, match="judge is broken") as failure:
         train.main(train_args(output_dir=str(out), **flags))
     assert failure.value.user_message.endswith(
-        f"checkpoint of step 1 written. Once that is fixed, continue with: python train.py --resume {out}"
+        f"checkpoint of step 1 written. Once that is fixed, continue with: python -m grpo_vlm --resume {out}"
     )
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
     broken.unlink()

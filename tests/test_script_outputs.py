@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import cli
+from grpo_vlm import cli
 from scripts import evaluate, mock_rollouts, outputs, score_rollouts, summarize_photos, train_offline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -153,7 +153,7 @@ def test_an_internal_error_in_a_script_keeps_its_traceback_and_exits_1(tmp_path)
     code = f"""
 import runpy, sys
 sys.path.insert(0, {str(ROOT)!r})
-import tasks
+from grpo_vlm import tasks
 def broken(*args, **kwargs):
     raise RuntimeError("a bug in the task generator")
 tasks.make_task = broken

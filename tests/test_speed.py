@@ -23,8 +23,7 @@ from transformers import StaticCache
 import data
 import grpo
 import lora
-import speedups
-import train
+from grpo_vlm import speedups, train
 
 K = 2  # adapted blocks
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,12 +17,10 @@ import torch
 from conftest import train_args
 from PIL import Image, ImageDraw
 
-import cli
 import data
 import grpo
 import model_io
-import tasks
-import train
+from grpo_vlm import cli, tasks, train
 from scripts import summarize_photos as sp
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,7 @@ from transformers import AutoImageProcessor
 
 import data
 import rewards
-import tasks
-import tools
+from grpo_vlm import tasks, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 

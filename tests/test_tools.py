@@ -12,9 +12,8 @@ from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 import data
-import grounding
 import rewards
-import tools
+from grpo_vlm import grounding, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from test_logs import ROOT, imports, realistic_records, rollout_inputs
 
-import logs
-import trackers
+from grpo_vlm import logs, trackers
 
 
 def test_report_to_none_gives_no_tracker(tmp_path):

@@ -22,15 +22,11 @@ import torch
 from conftest import make_run, train_args
 from PIL import Image
 
-import checkpoints
-import cli
 import data
 import grpo
 import lora
 import model_io
-import speedups
-import tasks
-import train
+from grpo_vlm import checkpoints, cli, speedups, tasks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -578,7 +574,7 @@ def test_seeded_short_run_raises_held_out_greedy_accuracy(tmp_path):
 def test_help_lists_the_documented_flags():
     env = {**os.environ, "COLUMNS": "200"}
     result = subprocess.run(
-        [sys.executable, "train.py", "--help"],
+        [sys.executable, "-m", "grpo_vlm", "--help"],
         check=False,
         cwd=ROOT,
         env=env,

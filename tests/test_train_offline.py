@@ -11,13 +11,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import checkpoints
-import cli
 import data
 import grpo
 import lora
 import model_io
 import rewards
+from grpo_vlm import checkpoints, cli
 from scripts import mock_rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -223,7 +223,7 @@ VARIANT_FLAGS = {
 
 @pytest.mark.parametrize("variant", VARIANT_FLAGS)
 def test_every_variant_trains_end_to_end_without_a_skipped_step(tmp_path, variant):
-    import train
+    from grpo_vlm import train
 
     args = train_args(
         output_dir=str(tmp_path / "run"),
@@ -270,7 +270,7 @@ def dynamic_args(out, plugin, **overrides):
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_more_prompts(tmp_path):
-    import train
+    from grpo_vlm import train
 
     plugin = tmp_path / "half.py"
     plugin.write_text(HALF_CONSTANT)
@@ -293,7 +293,7 @@ def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_mor
 
 
 def test_dynamic_sampling_stops_after_the_bounded_rounds_and_trains_on_what_there_is(tmp_path):
-    import train
+    from grpo_vlm import train
 
     plugin = tmp_path / "constant.py"
     plugin.write_text("def reward(completion, sample):\n    return 1.0\n")
@@ -305,7 +305,7 @@ def test_dynamic_sampling_stops_after_the_bounded_rounds_and_trains_on_what_ther
 
 
 def test_dynamic_sampling_resumes_exactly(tmp_path):
-    import train
+    from grpo_vlm import train
 
     plugin = tmp_path / "half.py"
     plugin.write_text(HALF_CONSTANT)

@@ -16,11 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import train_args
 
-import checkpoints
-import cli
-import logs
 import model_io
-import train
+from grpo_vlm import checkpoints, cli, logs, train
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
@@ -106,9 +103,8 @@ def test_a_full_disk_at_each_kind_of_write_is_one_line_naming_the_file_and_leave
     with pytest.raises(cli.WriteFailed) as failed:
         train.main(train_args(output_dir=str(out), steps=2, save_every=1, **FLAGS))
     monkeypatch.undo()
-    go_on = (
-        f"the newest checkpoint, {intact}, is intact; once the cause is gone: python train.py --resume {out}"
-    )
+    go_on = f"the newest checkpoint, {intact}, is intact; once the cause is gone: "
+    go_on += f"python -m grpo_vlm --resume {out}"
     assert str(failed.value) == f"cannot write {out / named}: {NO_SPACE}; {go_on}"
     assert leftovers(out) == []
     assert [p.name for p in checkpoints.list_checkpoints(out)][-1] == intact
@@ -181,13 +177,13 @@ def test_a_real_full_disk_at_a_checkpoint_exits_74_with_one_line_and_resume_goes
 ):
     out = small_disk / "run"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in FLAGS.items()]
-    command = [sys.executable, str(ROOT / "train.py"), *flags, "--steps=6", "--save-every=2"]
+    command = [sys.executable, "-m", "grpo_vlm", *flags, "--steps=6", "--save-every=2"]
     child = subprocess.run(
         [*command, "--output-dir", str(out)], check=False, capture_output=True, text=True, timeout=300
     )
     assert child.returncode == 74, child.stderr[-3000:]
     errors = [line for line in child.stderr.splitlines() if "error" in line.lower()]
-    go_on = "the newest checkpoint, checkpoint-000002, is intact; once the cause is gone: python train.py"
+    go_on = "the newest checkpoint, checkpoint-000002, is intact; once the cause is gone: python -m grpo_vlm"
     failed = f"{out}/checkpoint-000004.tmp/adapter_model.safetensors: {NO_SPACE}"
     assert errors == [f"error: cannot write {failed}; {go_on} --resume {out}"]
     assert "Traceback" not in child.stderr

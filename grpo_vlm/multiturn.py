@@ -41,9 +41,8 @@ import torch
 from torch import Tensor
 
 import data
-import grounding
 import grpo
-import tools
+from grpo_vlm import grounding, tools
 
 ERROR_KINDS = (*tools.ERROR_KINDS, "too_many_calls")  # the last: a call past max_tool_calls, not run
 

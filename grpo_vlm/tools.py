@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from PIL import Image
 
 import data
-import grounding
 import rewards
+from grpo_vlm import grounding
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # each ONE token in Qwen tokenizers
 ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")

@@ -1,10 +1,10 @@
 """GRPO with LoRA on a Qwen-VL style model: the command-line trainer.
 
-    python train.py                               # embedded tiny VLM, built-in task, CPU, about a minute
-    python train.py --help                        # every flag, with its documentation
-    python train.py --dry-run                     # one rollout + rewards + loss, no update, then exit
-    python train.py --resume runs/grpo            # continue a run from its latest checkpoint
-    python train.py --model Qwen/Qwen2.5-VL-3B-Instruct --data my.jsonl --reward label format \\
+    python -m grpo_vlm                               # embedded tiny VLM, built-in task, CPU, about a minute
+    python -m grpo_vlm --help                        # every flag, with its documentation
+    python -m grpo_vlm --dry-run                     # one rollout + rewards + loss, no update, then exit
+    python -m grpo_vlm --resume runs/grpo            # continue a run from its latest checkpoint
+    python -m grpo_vlm --model Qwen/Qwen2.5-VL-3B-Instruct --data my.jsonl --reward label format \\
         --reward-weight 1.0 0.5 --gate format --device cuda --max-new-tokens 128 --lr 1e-5
     torchrun --nproc-per-node 8 train.py --device cuda ...  # R ranks, each on B prompts (distributed.py)
 
@@ -29,9 +29,6 @@ import functools
 import importlib.util
 import json
 import math
-import os
-import signal
-import sys
 import time
 import uuid
 import warnings
@@ -39,27 +36,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 import torch
 import tyro
 
-import checkpoints
-import cli
 import data
-import distributed
-import grounding
 import grpo
-import logs
 import lora
-import memory
 import model_io
-import multiturn
 import rewards
-import speedups
-import tasks
-import tools
-import trackers
+from grpo_vlm import (
+    checkpoints,
+    cli,
+    distributed,
+    grounding,
+    logs,
+    memory,
+    multiturn,
+    speedups,
+    tasks,
+    tools,
+    trackers,
+)
 
 
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
@@ -851,7 +848,7 @@ def failed_step(error: BaseException, step: int, run: Run, out: Path, beta: floa
         return
     if step > 0 and not (out / f"checkpoint-{step:06d}").exists():
         save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
-    again = f"python train.py --resume {out}" if step > 0 else "the same command (it starts the run again)"
+    again = f"python -m grpo_vlm --resume {out}" if step > 0 else "the same command (it starts the run again)"
     done = f"checkpoint of step {step} written" if step > 0 else "no step finished"
     if isinstance(error, cli.Stopped):
         raise cli.Stopped(f"{error} while a reward function ran; {done}. Continue with: {again}")
@@ -908,7 +905,7 @@ def train_loop(
         if halt:
             distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
             message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
-            message += f"python train.py --resume {out}"
+            message += f"python -m grpo_vlm --resume {out}"
             if stop.requests:
                 raise cli.Stopped(message)
             raise SystemExit(message)
@@ -970,10 +967,3 @@ def main(args: Args) -> dict:
         finally:
             if log is not None:
                 log.close()
-
-
-if __name__ == "__main__":
-    try:
-        cli.run(lambda argv: main(command_line(argv)), sys.argv[1:])
-    finally:
-        distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

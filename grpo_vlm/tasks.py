@@ -2,7 +2,7 @@
 
 A GRPO run needs a policy that is right only part of the time, so that the completions of a group get
 different rewards. The shipped tiny Qwen2.5-VL (assets/tiny-qwen2.5-vl, about half a million parameters) was
-warm-started on the two image tasks until it reached that point, so `python train.py` shows a reward that
+warm-started on the two image tasks until it reached that point, so `python -m grpo_vlm` shows a reward that
 rises within minutes on a laptop, with no download and no dataset. Every sample is drawn with PIL from a
 seeded `random.Random`: the same (task, split, seed) always gives the same samples, images included.
 

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-import cli
 import model_io
+from grpo_vlm import cli
 
 # --- Checkpoints --------------------------------------------------------------------------------------------
 STATE_FILE = "trainer_state.pt"
@@ -425,7 +425,7 @@ def writing(out: Path, path: Path | None = None) -> Iterator[None]:
     except cli.WriteFailed as e:
         kept = list_checkpoints(out)
         then = f"the newest checkpoint, {kept[-1].name}, is intact" if kept else "no checkpoint yet"
-        then += f"; once the cause is gone: python train.py --resume {out}"
+        then += f"; once the cause is gone: python -m grpo_vlm --resume {out}"
         raise cli.WriteFailed(f"{e}; {then}") from e.__cause__
 
 
@@ -488,5 +488,5 @@ def finished_run(resume: str, out: Path, steps: int) -> str | None:
         raise ValueError(f"--steps: {steps} is below the checkpoint's step {done}")
     if done < steps or not (out / "curves.png").is_file():  # NOTE: a run that stopped while writing its
         return None  # final adapter or curves resumes to write them
-    again = f"python train.py --resume {out} --steps M (M > {done})"
+    again = f"python -m grpo_vlm --resume {out} --steps M (M > {done})"
     return f"{out}: the run is finished at step {done}; to train further: {again}"
