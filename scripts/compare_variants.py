@@ -70,7 +70,8 @@ def run_one(args: Args, name: str, seed: int) -> None:
     command += VARIANTS[name][1].split() + list(args.extra_flags)
     start, log_path = time.time(), Path(f"{out}.log")
     with open(log_path, "w") as log:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # finds grpo_vlm
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
     if done.returncode == cli.EXIT_STOPPED:  # Ctrl-C reached the run too: it stopped cleanly
         raise cli.Stopped("stopped")

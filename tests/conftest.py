@@ -14,6 +14,7 @@ multi-threaded matmul costs more than the matmul (the suite is several times fas
 """
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,10 @@ import lora
 import model_io
 
 torch.set_num_threads(1)
+# Child processes (`python -m grpo_vlm`, the scripts) find the reference modules and the package wherever
+# their working folder is.
+ROOT = Path(__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # Token ids of the random VLM (it has no tokenizer; tests write ids directly).
 PAD_ID = 0

@@ -367,8 +367,10 @@ def child(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 def test_flash_attention_without_its_package_is_refused_in_one_line_and_so_is_a_zero_timeout(tmp_path):
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
-    train_py, out = "-m", "grpo_vlm", str(tmp_path / "run")
-    done = child(sys.executable, train_py, "--attn-implementation", "flash_attention_2", "--output-dir", out)
+    out = str(tmp_path / "run")
+    done = child(
+        sys.executable, "-m", "grpo_vlm", "--attn-implementation", "flash_attention_2", "--output-dir", out
+    )
     message = (
         "flash_attention_2 needs the flash-attn package (pip install flash-attn; CUDA only); or use sdpa"
     )
