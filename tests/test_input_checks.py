@@ -205,7 +205,9 @@ def test_a_plug_in_file_raising_systemexit_or_keyboardinterrupt_at_import_is_its
 
 def test_a_signal_during_a_plug_in_import_stays_a_stop(tmp_path):
     plugin = tmp_path / "p.py"
-    plugin.write_text("import cli\nraise cli.Stopped('stopped by SIGINT before training started')\n")
+    plugin.write_text(
+        "from grpo_vlm import cli\nraise cli.Stopped('stopped by SIGINT before training started')\n"
+    )
     with pytest.raises(cli.Stopped):
         rewards.load_reward(f"{plugin}:judge")
 
