@@ -1,62 +1,30 @@
-"""Reward functions for GRPO, the gate-aware combiner `score`, and plug-in loading.
+"""Reward functions for GRPO, the gate-aware combiner `score`, and plug-in loading. Standard library only.
 
 A reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`; `sample` is the dataset
 sample dict, passed through untouched, so a reward reads whatever ground truth it needs (`sample["label"]`,
-`sample["answer"]`, `sample["bbox"]`). Standard library only, nothing from this project: it copies alone.
-
-Built-ins (`BUILTIN_REWARDS` name -> function), each 1.0 or 0.0 unless said:
-- label: the first line, leading whitespace skipped, is a verdict equal to `sample["label"]`.
-- format: exactly two lines, the verdict alone, then `理由:` or `理由：` and a NON-EMPTY reason; trailing
-  whitespace on a line and trailing blank lines are allowed, leading whitespace is not.
-- exact_match: the answer text, stripped, equals `str(sample["answer"])`, stripped.
-- answer_match: the same after normalising both sides: Unicode NFKC (full-width letters and digits become
-  ASCII), casefold, whitespace runs -> one space, then whitespace and punctuation (category P*, `%` included)
-  stripped at both ends; symbols (`$`, `+`) and inner punctuation stay.
-- numeric_match: the LAST number of the answer text is `math.isclose` to `float(sample["answer"])`
-  (keyword-only `rel_tol`, `abs_tol`, both 1e-6). Numbers: `-3`, `2.5`, `1e-3`, `1,000`; a sign counts only
-  when not glued to a letter, digit or dot before it (`5-3` reads 3, `1-5` reads 5); no fractions or words.
-- think_answer_format: `<think>…</think><answer>…</answer>`, each tag exactly once, only whitespace outside
-  and between the blocks, both blocks non-empty (an empty think block is a collapse not worth paying for).
-- tool_format: the fraction of the completion's tool calls that were well formed, from `sample["tool_calls"]`
-  (the calls' log records, which the trainer adds in a tools run: tools.py), each with an "error" kind or
-  None; a call whose plug-in raised ("tool_raised") counts as well formed. No call scores 0.0, so a task
-  that needs a tool pays for calling it; a single-turn run has no "tool_calls" and scores 0.0 too, a
-  constant that moves no advantage.
-- overlong: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 if
-  L <= L_max - L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and
-  L_cache = `cache_length` have no defaults (bind them: `load_reward("overlong", max_length=..., ...)`).
-
-The grounding rewards (iou, box_iou_mean, box_f1, point_in_box, point_in_region, negative_points, count, with
-Qwen-VL's coordinate frames) live in grounding.py: pass `builtins={**BUILTIN_REWARDS, **grounding.REWARDS}`.
-
-"Answer text" (exact_match, answer_match, numeric_match, grounding) is the last `<answer>…</answer>` block's
-content, else the whole completion: it composes with think_answer_format and works on bare answers.
-
-Verdicts (label, format): `通过` ≡ `pass`, `不通过` ≡ `fail`, English case-insensitive; others earn 0.
-Malformed ground truth (a label that is no verdict, a non-numeric answer for numeric_match, a bad bbox) raises
-ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION is never an error, it earns 0.
+`sample["answer"]`). Built-ins (`BUILTIN_REWARDS`), each 1.0 or 0.0 as its docstring says: label, format,
+exact_match, answer_match, numeric_match, think_answer_format; and overlong, DAPO's soft penalty (<= 0).
+"Answer text" is the last `<answer>…</answer>` block's content, else the whole completion, so the answer
+rewards compose with think_answer_format and work on bare answers. Verdicts: `通过` ≡ `pass`, `不通过` ≡
+`fail`, English case-insensitive; others earn 0. Malformed ground truth (a label that is no verdict, a
+non-numeric answer) raises ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION earns 0.
 
 Combining (`score`): total = sum(weight * value), but a completion with ANY gate reward <= 0 gets 0 (no credit
 for a right verdict in a broken format). Gates should therefore be 0/1 rewards; never gate `overlong`, which
 is <= 0 by construction. NOTE: no broadcast over a group: the trainer repeats each sample G times.
 
-Plug-in contract (`load_reward("module:function")` or `"path/to/file.py:function"`): a callable that accepts
+Plug-ins (`load_reward("module:function")` or `"path/to/file.py:function"`): a callable that accepts
 `(completion, sample)` positionally and returns an int or float; bool (almost always a forgotten float()),
-None, NaN, inf, beyond float32's +/-3.4e38 (inf in the trainer's tensor; each would poison the group's std)
-and anything else raise ValueError naming the reward, the completion index and the sample id. A plug-in that
-raises, sys.exit() included, fails `score` with an exception whose `user_message` adds its file:line. A reward
-needing the completion's token count declares a KEYWORD-ONLY `completion_length`, which `score` passes to
-exactly those rewards (`inspect.signature`). Any other parameter must have a default or be bound at load time.
-
-Checked before any step: a reward declares the sample fields it reads, `@needs(label=str)` or plainly
-`fn.needs = {"label": str}` (a type, a tuple of types, or a function raising ValueError on a bad value; or
-`fn.needs = check(sample)` where fields go together), and `check_needs` runs the declarations over every
-sample when the data loads: a dataset with a bad line 5 fails at once, not at the step that draws it. A
-reward without a declaration is checked only when called. `Reward.timeout` (--reward-timeout) bounds each
-call with SIGALRM: main thread only, on POSIX; a plug-in's `except Exception` cannot swallow it.
+None, NaN, inf and beyond float32's +/-3.4e38 (inf in the trainer's tensor; each would poison the group's
+std) raise RewardValueError naming the reward, the completion index and the sample id, and what a plug-in
+raises gets a note naming them. A reward needing the completion's token count declares a KEYWORD-ONLY
+`completion_length`, which `score` passes to exactly those rewards; any other parameter must have a default
+or be bound at load time. A reward declares the sample fields it reads, `@needs(label=str)` (a type, a tuple
+of types, or a function raising ValueError on a bad value; or `fn.needs = check(sample)` where fields go
+together), and `check_needs` runs them over every sample when the data loads: a bad line 5 fails at once.
+The full trainer (grpo_vlm) adds grounding and tool rewards, time limits and one-line failure messages.
 """
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -65,22 +33,26 @@ import inspect
 import math
 import os
 import re
-import signal
 import sys
-import threading
-import time
-import traceback
 import unicodedata
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
-from typing import Any, Literal
+from typing import Any
 
 RewardFn = Callable[..., float]
 
-# --- built-ins --------------------------------------------------------------------------------------------
-
 # Keys are casefolded; Chinese is unaffected by casefold, English becomes case-insensitive.
 _VERDICTS = {"通过": "pass", "不通过": "fail", "pass": "pass", "fail": "fail"}
+# Half- or full-width colon, then a reason with something in it: "理由:" and only spaces is no reason.
+_REASON_RE = re.compile(r"理由[:：]\s*\S.*")
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# Digits with optional thousands groups ("1,000" but not "1,0000"), decimals, exponent. The sign is only
+# taken when not glued to a preceding ASCII letter/digit/dot, so ranges and dates do not read as negative.
+_NUMBER_RE = re.compile(
+    r"(?:(?<![0-9A-Za-z.])[-+])?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
+)
+_THINK_ANSWER_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def needs(**fields: type | tuple[type, ...] | Callable[[Any], Any]) -> Callable[[RewardFn], RewardFn]:
@@ -119,10 +91,6 @@ def label_reward(completion: str, sample: Mapping[str, Any]) -> float:
     return float(_VERDICTS.get(completion.lstrip().split("\n", 1)[0].strip().casefold()) == gold)
 
 
-# Half- or full-width colon, then a reason with something in it: "理由:" and only spaces is no reason.
-_REASON_RE = re.compile(r"理由[:：]\s*\S.*")
-
-
 def format_reward(completion: str, sample: Mapping[str, Any]) -> float:
     """1.0 for exactly `<verdict>\\n理由: <non-empty reason>` (trailing whitespace allowed), else 0.0."""
     # NOTE: rstrip() first, so trailing newlines before EOS are no third line; then each line (CRLF's \r too).
@@ -130,9 +98,6 @@ def format_reward(completion: str, sample: Mapping[str, Any]) -> float:
     if len(lines) != 2 or lines[0].casefold() not in _VERDICTS:  # "通过 ok" or " 通过" is no bare verdict
         return 0.0
     return float(_REASON_RE.fullmatch(lines[1]) is not None)
-
-
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def _answer_text(completion: str) -> str:
@@ -155,34 +120,28 @@ def _normalise_answer(text: str) -> str:
 
 @needs(answer=(str, int, float))
 def answer_match(completion: str, sample: Mapping[str, Any]) -> float:
-    """1.0 if the normalised answer text equals the normalised sample["answer"], else 0.0."""
+    """1.0 if the normalised answer text equals the normalised sample["answer"], else 0.0. Normalised: NFKC
+    (full-width letters and digits become ASCII), casefold, whitespace runs -> one space, whitespace and
+    punctuation (category P*, `%` included) stripped at both ends; symbols (`$`, `+`) and inner punctuation
+    stay."""
     return float(_normalise_answer(_answer_text(completion)) == _normalise_answer(str(sample["answer"])))
-
-
-# Digits with optional thousands groups ("1,000" but not "1,0000"), decimals, exponent. The sign is only
-# taken when not glued to a preceding ASCII letter/digit/dot, so ranges and dates do not read as negative.
-_NUMBER_RE = re.compile(
-    r"(?:(?<![0-9A-Za-z.])[-+])?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?"
-)
 
 
 @needs(answer=_number)
 def numeric_match(
     completion: str, sample: Mapping[str, Any], *, rel_tol: float = 1e-6, abs_tol: float = 1e-6
 ) -> float:
-    """1.0 if the last number in the answer text is close to float(sample["answer"]), else 0.0."""
+    """1.0 if the last number in the answer text is math.isclose to float(sample["answer"]), else 0.0.
+    Numbers: `-3`, `2.5`, `1e-3`, `1,000`; `5-3` reads 3; no fractions or words."""
     gold = float(sample["answer"])  # a non-numeric ground truth is a dataset bug: let ValueError out
     found = _NUMBER_RE.findall(unicodedata.normalize("NFKC", _answer_text(completion)))  # full-width -> ASCII
     pred = float(found[-1].replace(",", "")) if found else None
     return float(pred is not None and math.isclose(pred, gold, rel_tol=rel_tol, abs_tol=abs_tol))
 
 
-_THINK_ANSWER_RE = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
-_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-
-
 def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
-    """1.0 for `<think>…</think><answer>…</answer>` with nothing but whitespace outside, else 0.0."""
+    """1.0 for `<think>…</think><answer>…</answer>`, each tag once, nothing but whitespace outside and between
+    the blocks, both non-empty (an empty think block is a collapse not worth paying for); else 0.0."""
     # NOTE: the tag count check stops the lazy regex from swallowing a second "</think>" into the body.
     if any(completion.count(tag) != 1 for tag in _TAGS):
         return 0.0
@@ -193,7 +152,9 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
 def overlong_penalty(
     completion: str, sample: Mapping[str, Any], *, completion_length: int, max_length: int, cache_length: int
 ) -> float:
-    """DAPO soft overlong punishment (eq. 13): 0, then linear to -1 over the last `cache_length` tokens."""
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 if L <= L_max -
+    L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and L_cache =
+    `cache_length` have no defaults (bind them with `load_reward("overlong", max_length=..., ...)`)."""
     if not 0 <= cache_length <= max_length:
         raise ValueError(f"need 0 <= cache_length <= max_length, got {cache_length=} {max_length=}")
     soft_limit = max_length - cache_length
@@ -204,15 +165,6 @@ def overlong_penalty(
     return -1.0
 
 
-@needs()  # reads no dataset field: the trainer adds "tool_calls" to the rows of a tools run
-def tool_format(completion: str, sample: Mapping[str, Any]) -> float:
-    """The fraction of the completion's tool calls that were well formed (sample["tool_calls"]); 0.0 with
-    none, so that a task that needs a tool pays for calling it."""
-    calls = sample.get("tool_calls") or []  # NOTE: absent in a single-turn run: no tool, no call, 0.0
-    # A plug-in that raises is the tool's failure, not a malformed call.
-    return sum(call["error"] in (None, "tool_raised") for call in calls) / len(calls) if calls else 0.0
-
-
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "label": label_reward,
     "format": format_reward,
@@ -221,11 +173,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "numeric_match": numeric_match,
     "think_answer_format": think_answer_format,
     "overlong": overlong_penalty,
-    "tool_format": tool_format,
 }
-
-
-# --- combining --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +182,6 @@ class Reward:
     fn: RewardFn
     weight: float = 1.0
     gate: bool = False  # if this reward is <= 0 for a completion, that completion's total is 0
-    timeout: float | None = None  # seconds a call may take (main thread only, SIGALRM); None: no limit
 
 
 @dataclasses.dataclass
@@ -244,61 +191,18 @@ class Scores:
     gate_failed: dict[str, list[bool]]  # gate reward name -> (N,) value <= 0
 
 
+class RewardValueError(ValueError):
+    """A reward returned something other than a finite int or float that float32 holds."""
+
+
 def _wants_completion_length(fn: RewardFn) -> bool:
     param = inspect.signature(fn).parameters.get("completion_length")
     return param is not None and param.kind is inspect.Parameter.KEYWORD_ONLY
 
 
-def _describe(index: int, sample: Mapping[str, Any]) -> str:
+def describe_completion(index: int, sample: Mapping[str, Any]) -> str:
+    """How messages name a completion: "completion 3 (sample id 's7')"."""
     return f"completion {index}" + (f" (sample id {sample['id']!r})" if "id" in sample else "")
-
-
-# `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
-def _name_the_failure(error: BaseException, name: str, index: int, sample: Mapping[str, Any]) -> Exception:
-    where = f"raised by reward {name!r} on {_describe(index, sample)}"
-    error.add_note(where)
-    frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
-    failure = error if isinstance(error, Exception) else RuntimeError(f"{where}: {error!r}")  # a SystemExit
-    failure.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
-    return failure
-
-
-def _bad_value(value: Any, name: str, index: int, sample: Mapping[str, Any]) -> ValueError:
-    error = ValueError(
-        f"reward {name!r} returned {value!r} ({type(value).__name__}) for {_describe(index, sample)}; "
-        "rewards must return a finite int or float that float32 holds (|value| <= 3.4028235e38)"
-    )
-    error.user_message = str(error)
-    return error
-
-
-class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
-    pass
-
-
-def _expire(signum: int, frame: Any) -> None:
-    raise _Expired
-
-
-@contextlib.contextmanager
-def _time_limit(r: Reward, index: int, sample: Mapping[str, Any]) -> Iterator[None]:
-    """Interrupt the `with` block after r.timeout seconds (SIGALRM), naming the reward and the sample; the
-    previous SIGALRM handler and timer (less the time spent here) come back after it."""
-    previous = signal.signal(signal.SIGALRM, _expire)
-    started, (delay, interval) = time.monotonic(), signal.setitimer(signal.ITIMER_REAL, r.timeout)
-    try:
-        yield
-    except _Expired:
-        error = TimeoutError(
-            f"reward {r.name!r} took longer than --reward-timeout {r.timeout} s on {_describe(index, sample)}"
-        )
-        error.user_message = str(error)
-        raise error from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if delay:  # 1 microsecond at least: a timer of 0 would be no timer at all
-            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
 
 
 def score(
@@ -307,8 +211,11 @@ def score(
     rewards: Sequence[Reward],
     *,
     completion_lengths: Sequence[int] | None = None,
+    call: Callable[[Reward, int, str, Mapping[str, Any], dict[str, Any]], Any] | None = None,
 ) -> Scores:
-    """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates."""
+    """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates.
+    `call(r, index, completion, sample, kwargs)` makes each call (default: `r.fn(completion, sample,
+    **kwargs)`); the value it returns is checked here."""
     n = len(completions)
     for what, given in (("samples", samples), ("completion_lengths", completion_lengths)):
         if given is not None and len(given) != n:
@@ -322,26 +229,22 @@ def score(
             raise ValueError(f"reward {r.name!r} needs completion_lengths= (it declares completion_length)")
         for i, (completion, sample) in enumerate(zip(completions, samples)):
             kwargs = {"completion_length": completion_lengths[i]} if wants_length else {}
-            with _time_limit(r, i, sample) if r.timeout else contextlib.nullcontext():
-                try:
-                    value = r.fn(completion, sample, **kwargs)
-                except Exception as e:  # NOTE: not swallowed: raised again, naming the reward and the sample
-                    _name_the_failure(e, r.name, i, sample)
-                    raise
-                except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) not
-                    if type(e) is not SystemExit:
-                        raise
-                    raise _name_the_failure(e, r.name, i, sample) from e
+            try:
+                value = call(r, i, completion, sample, kwargs) if call else r.fn(completion, sample, **kwargs)
+            except Exception as e:  # NOTE: not swallowed: raised again, naming the reward and the sample
+                e.add_note(f"raised by reward {r.name!r} on {describe_completion(i, sample)}")
+                raise
             if isinstance(value, bool) or not (isinstance(value, Real) and abs(value) <= 3.4028235e38):
-                raise _bad_value(value, r.name, i, sample)
+                got = f"{value!r} ({type(value).__name__}) for {describe_completion(i, sample)}"
+                raise RewardValueError(
+                    f"reward {r.name!r} returned {got}; "
+                    "rewards must return a finite int or float that float32 holds (|value| <= 3.4028235e38)"
+                )
             components[r.name].append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
     weighted = [float(sum(r.weight * components[r.name][i] for r in rewards)) for i in range(n)]  # (N,)
     total = [0.0 if any(failed[i] for failed in gate_failed.values()) else w for i, w in enumerate(weighted)]
     return Scores(total=total, components=components, gate_failed=gate_failed)
-
-
-# --- checking the data a reward reads, when it loads ------------------------------------------------------
 
 
 def _field_problem(sample: Mapping[str, Any], field: str, kind: Any) -> str | None:
@@ -383,9 +286,6 @@ def check_needs(
             for field, kind in declared.items():
                 if (problem := _field_problem(sample, field, kind)) is not None:
                     raise ValueError(f"{locate(sample)}: {field}: reward {r.name!r}: {problem}")
-
-
-# --- loading ----------------------------------------------------------------------------------------------
 
 
 def import_plugin(module_spec: str, attr: str, *, kind: str = "reward") -> Any:
@@ -476,69 +376,3 @@ def parse_reward_specs(
     return [
         Reward(s, load_reward(s, builtins=builtins), float(w), s in gates) for s, w in zip(specs, weights)
     ]
-
-
-@dataclasses.dataclass
-class RewardConfig:
-    """Which rewards score a completion, how they combine, and which one means "correct". Field names are
-    the commands' flags (train.py, scripts/evaluate.py)."""
-
-    reward: tuple[str, ...] = ()
-    """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
-    answer_match (shapes) or label and format (inspection, summaries). Built-ins, each 0 or 1 unless said:
-    label: the first line's verdict (通过/不通过) equals the sample's "label";
-    format: exactly two lines, a verdict, then "理由: <reason>";
-    exact_match: the answer text (inside <answer>, if any) equals the sample's "answer";
-    answer_match: the same after normalising case, spaces and punctuation;
-    numeric_match: the last number of the answer is close to the sample's "answer";
-    think_answer_format: <think>...</think><answer>...</answer> and nothing else;
-    tool_format: the fraction of the completion's tool calls (--tools) that were well formed, 0 with none;
-    iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
-    box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
-    point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons
-    "region", or outside them within "margin"; count: the number of boxes (or points) equals "count".
-    The grounding rewards read coordinates in --box-frame and compare in original pixels (grounding.py).
-    Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
-    reward_weight: tuple[float, ...] = ()
-    """One weight per --reward (default 1.0 each)."""
-    gate: tuple[str, ...] = ()
-    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
-    accuracy_reward: str | None = None
-    """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
-    the first --reward."""
-    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
-    """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
-    0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
-    reward_timeout: float | None = None
-    """Seconds one reward call may take; a longer one stops the command with an error naming the reward and
-    the sample (e.g. a plug-in waiting on a network judge). Default: no limit. Needs SIGALRM (not Windows)."""
-
-    def check(self) -> None:
-        """The values that need nothing loaded; the rewards themselves are checked when they load."""
-        timeout = self.reward_timeout
-        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
-        # SIGALRM interrupts only the main thread, and Windows has none.
-        main_thread = threading.current_thread() is threading.main_thread()
-        if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):
-            raise ValueError("--reward-timeout: unsupported here (it needs SIGALRM, in the main thread)")
-
-
-def rewards_from_flags(
-    names: Sequence[str],
-    weights: Sequence[float] = (),
-    gates: Sequence[str] = (),
-    builtins: Mapping[str, RewardFn] | None = None,
-    timeout: float | None = None,
-) -> list[Reward]:
-    """--reward, --reward-weight, --gate and --reward-timeout, as every command of this project reads them:
-    parse_reward_specs, with each mistake a ValueError whose message starts with the flag at fault."""
-    if weights and len(weights) != len(names):
-        raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
-    if unknown := sorted(set(gates) - set(names)):
-        raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
-    try:
-        parsed = parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
-    except ValueError as e:  # a plug-in that does not import, a name that is no reward: --reward's fault
-        raise ValueError(f"--reward: {e}") from e
-    return [dataclasses.replace(r, timeout=timeout) for r in parsed]

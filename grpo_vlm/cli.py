@@ -181,7 +181,7 @@ def run(main: Callable[[Any], Any], args: Any) -> None:
         print("\ninterrupted", file=sys.stderr, flush=True)
         sys.exit(EXIT_STOPPED)
     except Exception as e:
-        # NOTE: a failure in the user's own code (a reward plug-in) carries `user_message` (rewards.score sets
+        # NOTE: a failure in the user's own code (a reward plug-in) carries `user_message` (scoring.score sets
         # it): one line naming the reward, the sample and the plug-in's file:line. Anything else is a bug.
         message = getattr(e, "user_message", None)
         if message is None:

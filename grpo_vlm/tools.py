@@ -29,6 +29,12 @@ printed with the traceback's last frame (file:line), so a bug is never silent; a
 because a tool failing on some arguments (an odd crop, a service timing out) is part of the environment the
 policy acts in, and a plug-in broken for every call shows at once as tools/errors/tool_raised equal to
 tools/calls. A bug in `zoom` itself is no such failure: it raises.
+
+The reward `tool_format` (--reward tool_format) is the fraction of the completion's tool calls that were
+well formed, from `sample["tool_calls"]` (the calls' log records, which the trainer adds in a tools run),
+each with an "error" kind or None; a call whose plug-in raised ("tool_raised") counts as well formed. No call
+scores 0.0, so a task that needs a tool pays for calling it; a single-turn run has no "tool_calls" and scores
+0.0 too, a constant that moves no advantage.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ import inspect
 import json
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
@@ -273,3 +280,15 @@ def run_call(
     images = [{"crop": p.info.get("crop"), "size": list(p.size)} for p in parts if isinstance(p, Image.Image)]
     record = {"name": name, "arguments": arguments, "error": None, "text": text, "images": images}
     return ToolResult(content, None, record)
+
+
+# --- the tool_format reward -------------------------------------------------------------------------------
+
+
+@rewards.needs()  # reads no dataset field: the trainer adds "tool_calls" to the rows of a tools run
+def tool_format(completion: str, sample: Mapping[str, Any]) -> float:
+    """The fraction of the completion's tool calls that were well formed (sample["tool_calls"]); 0.0 with
+    none, so that a task that needs a tool pays for calling it."""
+    calls = sample.get("tool_calls") or []  # NOTE: absent in a single-turn run: no tool, no call, 0.0
+    # A plug-in that raises is the tool's failure, not a malformed call.
+    return sum(call["error"] in (None, "tool_raised") for call in calls) / len(calls) if calls else 0.0

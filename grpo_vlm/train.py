@@ -52,6 +52,7 @@ from grpo_vlm import (
     logs,
     memory,
     multiturn,
+    scoring,
     speedups,
     tasks,
     tools,
@@ -138,8 +139,8 @@ class Args:
     """Samples and prompts (data.py, tasks.py)."""
     sampling: grpo.SamplingConfig = dataclasses.field(default_factory=grpo.SamplingConfig)
     """Sampling (grpo.py)."""
-    rewards: rewards.RewardConfig = dataclasses.field(default_factory=rewards.RewardConfig)
-    """Rewards (rewards.py, grounding.py)."""
+    rewards: scoring.RewardConfig = dataclasses.field(default_factory=scoring.RewardConfig)
+    """Rewards (rewards.py, grounding.py, scoring.py)."""
     adv: grpo.AdvantageConfig = dataclasses.field(default_factory=grpo.AdvantageConfig)
     """Advantages (grpo.py)."""
     loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
@@ -258,7 +259,8 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     if run.box_frame:  # the image's frame, for rewards that read coordinates (grounding.py)
         prompts = data.with_grounding(prompts, batch, run.box_frame)
     samples = [s for s in prompts for _ in range(G)]
-    scores = rewards.score(texts, samples, run.reward_fns, completion_lengths=mask.sum(1).tolist())
+    lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
+    scores = scoring.score(texts, samples, run.reward_fns, completion_lengths=lengths, timeout=timeout)
     mask = mask & ~truncated[:, None] if args.mask_truncated else mask  # NOTE: still scored and logged
     as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
     reward = as_floats(scores.total)  # (N,)
@@ -282,7 +284,10 @@ def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     options = dict(group_size=args.group_size, sampling=run.sampling)
     turns = multiturn.sample(run.model, batch, prompts, run.tools, **options)
     lengths = turns.mask.sum(1).tolist()  # the model's tokens
-    scores = rewards.score(turns.texts, turns.samples, run.reward_fns, completion_lengths=lengths)
+    timeout = args.rewards.reward_timeout
+    scores = scoring.score(
+        turns.texts, turns.samples, run.reward_fns, completion_lengths=lengths, timeout=timeout
+    )
     mask = turns.mask & ~turns.truncated[:, None] if args.mask_truncated else turns.mask
     as_floats = functools.partial(torch.tensor, dtype=torch.float32, device=run.device)
     reward = as_floats(scores.total)  # (N,)
@@ -545,10 +550,10 @@ def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward (or the built-in task's defaults), --reward-weight and --gate -> the reward functions."""
-    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     config = args.rewards
-    names, timeout = config.reward or tasks.TASK_REWARDS[task], config.reward_timeout
-    return rewards.rewards_from_flags(names, config.reward_weight, config.gate, builtins, timeout)
+    return scoring.rewards_from_flags(
+        config.reward or tasks.TASK_REWARDS[task], config.reward_weight, config.gate
+    )
 
 
 def fit_memory(
@@ -797,7 +802,8 @@ def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float
             turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
             texts, chunk, mask = turns.texts, turns.samples, turns.mask
             calls += int(turns.counts["calls"].sum())
-        scores = rewards.score(texts, chunk, run.reward_fns, completion_lengths=mask.sum(1).tolist())
+        lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
+        scores = scoring.score(texts, chunk, run.reward_fns, completion_lengths=lengths, timeout=timeout)
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
     return sum(correct), sum(totals), calls

@@ -72,7 +72,7 @@ import grpo
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, distributed, grounding, multiturn, speedups, tasks, tools
+from grpo_vlm import cli, distributed, grounding, multiturn, scoring, speedups, tasks, tools
 from scripts import outputs
 
 
@@ -131,8 +131,8 @@ class Args:
     """Does the model look at the images? Also evaluate the same samples with every image replaced by a grey
     one of the same size (blank) or with the images permuted across samples (shuffle), into
     <stem>.blank.jsonl / <stem>.shuffle.jsonl (each model of --compare too), reported beside the real ones."""
-    rewards: rewards.RewardConfig = field(default_factory=rewards.RewardConfig)
-    """Rewards, as train.py reads them (rewards.py); default: the built-in task's (required with --data)."""
+    rewards: scoring.RewardConfig = field(default_factory=scoring.RewardConfig)
+    """Rewards, as train.py reads them (scoring.py); default: the built-in task's (required with --data)."""
     tools: tools.ToolConfig = field(default_factory=tools.ToolConfig)
     """Tool calls, as train.py's (tools.py, multiturn.py): completions are multi-turn, scored on their final
     answers; each line then has each completion's `turns` and `tool_calls`."""
@@ -219,13 +219,10 @@ def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
     names = args.rewards.reward or tasks.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
-    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     config = args.rewards
     with cli.user_errors():
         config.check()
-        return rewards.rewards_from_flags(
-            names, config.reward_weight, config.gate, builtins, config.reward_timeout
-        )
+        return scoring.rewards_from_flags(names, config.reward_weight, config.gate)
 
 
 @contextlib.contextmanager
@@ -241,12 +238,12 @@ def reward_errors(sample: dict):
         raise cli.UsageError(f"{where}: {reason}{notes}; fix the sample or the --reward") from e
 
 
-def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str) -> dict:
-    """The output line of one sample and its k completions."""
+def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str, timeout=None) -> dict:
+    """The output line of one sample and its k completions (`timeout`: --reward-timeout)."""
     texts, lengths = completions["texts"], completions["lengths"]
     grounded = completions["sample"]  # with its image frame, when a reward reads coordinates
     scored = completions.get("samples") or [grounded] * len(texts)  # with tools: each its trajectory
-    scores = rewards.score(texts, scored, reward_fns, completion_lengths=lengths)
+    scores = scoring.score(texts, scored, reward_fns, completion_lengths=lengths, timeout=timeout)
     correct = [v >= 1.0 for v in scores.components[accuracy_name]]
     record = {"id": sample["_id"], "source": sample["_source"], "completions": texts}
     record.update(rewards=scores.components, total=scores.total)
@@ -341,7 +338,8 @@ def evaluate_to_file(
             for sample, completions, written in zip(batch, generated, batch_done):
                 if not written:
                     with reward_errors(sample):
-                        record = score_sample(sample, completions, reward_fns, accuracy_name)
+                        timeout = args.rewards.reward_timeout
+                        record = score_sample(sample, completions, reward_fns, accuracy_name, timeout)
                     with cli.writing(path):
                         outputs.append_line(f, record)
             print(f"  batch {index + 1}/{-(-len(samples) // bs)}", flush=True)

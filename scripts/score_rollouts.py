@@ -68,7 +68,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo
 import rewards
-from grpo_vlm import cli, grounding
+from grpo_vlm import cli, scoring
 from scripts import outputs
 
 
@@ -211,7 +211,7 @@ def cached(reward: rewards.Reward, conn: sqlite3.Connection, stats: collections.
             return row[0]
         stats["misses"] += 1
         value = reward.fn(completion, sample)
-        if is_number(value):  # anything else is passed on for rewards.score to reject
+        if is_number(value):  # anything else is passed on for scoring.score to reject
             with cache_errors(path):
                 conn.execute("INSERT OR REPLACE INTO reward VALUES (?, ?)", (key, float(value)))
         return value
@@ -229,7 +229,7 @@ def score_lines(good, prompts, reward_fns) -> tuple[list[tuple[int, dict]], list
     for lineno, record in good:
         sample = prompts[str(record["prompt_id"])]
         try:
-            s = rewards.score([record["text"]], [sample], reward_fns)
+            s = scoring.score([record["text"]], [sample], reward_fns)
         except cli.UsageError:  # the cache's, not the line's
             raise
         except (ValueError, KeyError) as e:
@@ -323,10 +323,9 @@ def check_args(args: Args) -> tuple[Path, Path, Path]:
 
 def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Reward]:
     """--reward (or the prompts' default), --reward-weight and --gate; a mistake in them is a UsageError."""
-    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # grounding's rewards by name too
     with cli.user_errors():
-        return rewards.rewards_from_flags(
-            args.reward or default_rewards(prompts), args.reward_weight, args.gate, builtins
+        return scoring.rewards_from_flags(
+            args.reward or default_rewards(prompts), args.reward_weight, args.gate
         )
 
 

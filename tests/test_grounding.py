@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import rewards
-from grpo_vlm import grounding
+from grpo_vlm import grounding, scoring
 from grpo_vlm.grounding import (
     FRAMES,
     box_f1,
@@ -439,7 +439,7 @@ def test_count_is_exact_on_boxes_else_points_and_graded_on_request():
 
 
 def test_grounding_rewards_load_by_name_and_score_through_rewards():
-    builtins = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}  # as train.py and the scripts pass them
+    builtins = scoring.BUILTIN_REWARDS  # as train.py and the scripts pass them
     for name, fn in grounding.REWARDS.items():
         assert rewards.load_reward(name, builtins=builtins) is fn
     with pytest.raises(ValueError, match="unknown reward"):  # rewards.py alone does not know them

@@ -20,10 +20,10 @@ import data
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, grounding, train
+from grpo_vlm import cli, scoring, train
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILTINS = {**rewards.BUILTIN_REWARDS, **grounding.REWARDS}
+BUILTINS = scoring.BUILTIN_REWARDS
 TINY = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=8, eval_size=0, eval_every=1000)
 
 
@@ -95,7 +95,7 @@ def test_a_wrong_typed_label_on_line_5_stops_the_run_before_any_step_naming_file
     ],
 )
 def test_each_builtin_reward_checks_the_fields_it_reads(reward, sample, message):
-    fns = rewards.rewards_from_flags([reward], builtins=BUILTINS)
+    fns = scoring.rewards_from_flags([reward], builtins=BUILTINS)
     good = {
         "label": "通过",
         "answer": "4",
@@ -116,7 +116,7 @@ def test_a_plug_in_declares_its_fields_with_needs_and_one_without_is_not_checked
         "def declared(completion, sample):\n    return float(sample['score'])\n"
         "def undeclared(completion, sample):\n    return 0.0\n"
     )
-    declared, undeclared = (rewards.rewards_from_flags([f"{plugin}:{n}"]) for n in ("declared", "undeclared"))
+    declared, undeclared = (scoring.rewards_from_flags([f"{plugin}:{n}"]) for n in ("declared", "undeclared"))
     rewards.check_needs([{"score": "high"}], undeclared)
     with pytest.raises(
         ValueError, match=r"score: reward '.*:declared': needs int or float, got 'high' \(str\)"
@@ -156,15 +156,13 @@ def test_the_reward_timer_cannot_be_swallowed_and_restores_the_previous_alarm():
     old = signal.signal(signal.SIGALRM, previous)
     signal.setitimer(signal.ITIMER_REAL, 30)
     try:
-        reward = rewards.Reward("swallow", swallow, timeout=0.2)
         with pytest.raises(TimeoutError) as info:
-            rewards.score(["x"], [{"id": "a1"}], [reward])
+            scoring.score(["x"], [{"id": "a1"}], [rewards.Reward("swallow", swallow)], timeout=0.2)
         assert info.value.user_message.endswith("--reward-timeout 0.2 s on completion 0 (sample id 'a1')")
         assert signal.getsignal(signal.SIGALRM) is previous
         assert 29 < signal.getitimer(signal.ITIMER_REAL)[0] <= 30
-        assert rewards.score(["x"], [{}], [rewards.Reward("quick", lambda c, s: 1.0, timeout=5)]).total == [
-            1.0
-        ]
+        quick = rewards.Reward("quick", lambda c, s: 1.0)
+        assert scoring.score(["x"], [{}], [quick], timeout=5).total == [1.0]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -173,7 +171,7 @@ def test_the_reward_timer_cannot_be_swallowed_and_restores_the_previous_alarm():
 @pytest.mark.parametrize("value", [0.0, -1.0, float("nan")])
 def test_reward_timeout_must_be_a_positive_number(value):
     with pytest.raises(ValueError, match="--reward-timeout: must be a positive number"):
-        rewards.RewardConfig(reward_timeout=value).check()
+        scoring.RewardConfig(reward_timeout=value).check()
 
 
 # --- plug-in files that exit while imported ---
@@ -205,7 +203,9 @@ def test_a_plug_in_file_raising_systemexit_or_keyboardinterrupt_at_import_is_its
 
 def test_a_signal_during_a_plug_in_import_stays_a_stop(tmp_path):
     plugin = tmp_path / "p.py"
-    plugin.write_text("import cli\nraise cli.Stopped('stopped by SIGINT before training started')\n")
+    plugin.write_text(
+        "from grpo_vlm import cli\nraise cli.Stopped('stopped by SIGINT before training started')\n"
+    )
     with pytest.raises(cli.Stopped):
         rewards.load_reward(f"{plugin}:judge")
 

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from grpo_vlm import cli
 from rewards import (
     BUILTIN_REWARDS,
     Reward,
@@ -18,7 +17,6 @@ from rewards import (
     numeric_match,
     overlong_penalty,
     parse_reward_specs,
-    rewards_from_flags,
     score,
     think_answer_format,
 )
@@ -313,41 +311,13 @@ def test_a_reward_that_float32_cannot_hold_raises_naming_reward_and_sample(value
     # Finite in Python, inf in the trainer's float32 reward tensor.
     rs = [Reward("huge", lambda c, s: value if c == "second" else 1.0)]
     samples = [{"id": "s-0"}, {"id": "s-1"}]
-    with pytest.raises(ValueError, match=r"'huge'.*completion 1 \(sample id 's-1'\).*float32") as info:
+    with pytest.raises(ValueError, match=r"'huge'.*completion 1 \(sample id 's-1'\).*float32"):
         score(["first", "second"], samples, rs)
-    assert info.value.user_message == str(info.value)
 
 
 @pytest.mark.parametrize("value", [3e38, -3e38, 3.4028235e38])
 def test_a_reward_that_float32_holds_is_accepted(value):
     assert score(["x"], [{}], [Reward("big", lambda c, s: value)]).total == [value]
-
-
-@pytest.mark.parametrize("code", [0, "judge unavailable"])
-def test_a_plug_in_that_calls_sys_exit_fails_like_one_that_raises_naming_the_sample_and_line(code):
-    def quits(completion, sample):
-        if completion == "second":
-            sys.exit(code)  # 0 would end a training run with status 0, as a success
-        return 1.0
-
-    samples = [{"id": "s-0"}, {"id": "s-1"}]
-    with pytest.raises(RuntimeError) as info:
-        score(["first", "second"], samples, [Reward("quits", quits)])
-    where = f"{__file__}:{quits.__code__.co_firstlineno + 2}"
-    assert info.value.user_message == (
-        f"raised by reward 'quits' on completion 1 (sample id 's-1'): SystemExit: {code} (at {where})"
-    )
-
-
-@pytest.mark.parametrize("stop", [cli.Stopped("stopped by SIGINT"), KeyboardInterrupt()])
-def test_a_signals_stop_inside_a_plug_in_passes_through_score_untouched(stop):
-    # A signal's handler raises in whatever frame runs, a plug-in's too: a stop, not the plug-in's failure.
-    def interrupted(completion, sample):
-        raise stop
-
-    with pytest.raises(type(stop)) as info:
-        score(["x"], [{}], [Reward("slow", interrupted)])
-    assert info.value is stop and not hasattr(stop, "user_message")
 
 
 def test_integer_reward_is_accepted_as_float():
@@ -383,7 +353,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def test_builtin_names_resolve_to_builtin_functions():
     names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format"]
-    assert list(BUILTIN_REWARDS) == [*names, "overlong", "tool_format"]
+    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
     assert load_reward("label") is label_reward
 
 
@@ -474,22 +444,6 @@ def test_parse_reward_specs_builds_weighted_gated_rewards():
 def test_parse_reward_specs_rejects_inconsistent_lists(weights, gates, message):
     with pytest.raises(ValueError, match=message):
         parse_reward_specs(["format", "label"], weights, gates)
-
-
-@pytest.mark.parametrize(
-    "weights, gates, spec, message",
-    [
-        ([1.0], (), "label", r"^--reward-weight: has 1 values for 2 rewards"),
-        ((), ["iou"], "label", r"^--gate: \['iou'\] are not among the rewards"),
-        ((), (), "no_such_reward", r"^--reward: .*no_such_reward"),
-    ],
-)
-def test_rewards_from_flags_name_the_flag_at_fault(weights, gates, spec, message):
-    with pytest.raises(ValueError, match=message):
-        rewards_from_flags(["format", spec], weights, gates)
-    assert rewards_from_flags(["format", "label"], [0.5, 1.0], ["format"]) == parse_reward_specs(
-        ["format", "label"], [0.5, 1.0], ["format"]
-    )
 
 
 # --- portability ------------------------------------------------------------------------------------------

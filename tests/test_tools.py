@@ -13,7 +13,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 import data
 import rewards
-from grpo_vlm import grounding, tools
+from grpo_vlm import grounding, scoring, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 
@@ -283,7 +283,7 @@ def test_tool_format_is_the_fraction_of_well_formed_calls_and_zero_without_any(p
     texts = [call(image=0, bbox_2d=BOX), call(image=0, bbox_2d=[0, 0, 99, 9]), call("divide", by=0)]
     records = [tools.run_call(t, ONE_IMAGE, loaded, frame=None).record for t in texts]
     assert [r["error"] for r in records] == [None, "bad_box", "tool_raised"]
-    [reward] = rewards.rewards_from_flags(["tool_format"])
+    [reward] = scoring.rewards_from_flags(["tool_format"])
     # ok, malformed, the plug-in's own failure (not the policy's): 2 of 3 well formed
     samples = [{**ONE_IMAGE, "tool_calls": records}, {**ONE_IMAGE, "tool_calls": records[1:2]}]
     samples += [{**ONE_IMAGE, "tool_calls": []}, ONE_IMAGE]  # no call; a single-turn run (no field)

@@ -1,0 +1,178 @@
+"""Scoring in the package's commands (python -m grpo_vlm, scripts/evaluate.py, scripts/score_rollouts.py):
+the reward flags (`RewardConfig`), every built-in by name, and user reward functions called safely.
+
+`BUILTIN_REWARDS` is the reference's (rewards.py), then tools.py's `tool_format`, then grounding.py's
+rewards. `score` is rewards.score with each call made by `call_reward`: under --reward-timeout, by SIGALRM
+(main thread only, on POSIX; a plug-in's `except Exception` cannot swallow it; the previous SIGALRM handler
+and timer come back after the call), and a failure in the user's code carries `user_message`, the one line
+cli.run prints without a traceback (the user's code failed, not ours): an exception or sys.exit() a reward
+raised, with its file:line; a value that is no number (rewards.RewardValueError); a call over the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import rewards
+from grpo_vlm import grounding, tools
+
+# --reward's names: the reference's built-ins, then the tools' and grounding's rewards.
+BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
+    **rewards.BUILTIN_REWARDS,
+    "tool_format": tools.tool_format,
+    **grounding.REWARDS,
+}
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    """Which rewards score a completion, how they combine, and which one means "correct". Field names are
+    the commands' flags (train.py, scripts/evaluate.py)."""
+
+    reward: tuple[str, ...] = ()
+    """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
+    answer_match (shapes) or label and format (inspection, summaries). Built-ins, each 0 or 1 unless said:
+    label: the first line's verdict (通过/不通过) equals the sample's "label";
+    format: exactly two lines, a verdict, then "理由: <reason>";
+    exact_match: the answer text (inside <answer>, if any) equals the sample's "answer";
+    answer_match: the same after normalising case, spaces and punctuation;
+    numeric_match: the last number of the answer is close to the sample's "answer";
+    think_answer_format: <think>...</think><answer>...</answer> and nothing else;
+    tool_format: the fraction of the completion's tool calls (--tools) that were well formed, 0 with none;
+    iou: IoU in [0, 1] of the answer's last box with the sample's "bbox";
+    box_iou_mean, box_f1: boxes matched one-to-one with "boxes" (mean IoU; F1 at IoU 0.5);
+    point_in_box, point_in_region, negative_points: points inside "bbox"/"boxes", inside the polygons
+    "region", or outside them within "margin"; count: the number of boxes (or points) equals "count".
+    The grounding rewards read coordinates in --box-frame and compare in original pixels (grounding.py).
+    Or a plug-in 'module:function' or 'path/to/file.py:function': fn(completion, sample) -> float."""
+    reward_weight: tuple[float, ...] = ()
+    """One weight per --reward (default 1.0 each)."""
+    gate: tuple[str, ...] = ()
+    """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+    accuracy_reward: str | None = None
+    """The reward whose value 1.0 means 'correct' (accuracy, length of correct completions). Default:
+    the first --reward."""
+    box_frame: Literal["auto", "absolute", "relative1000"] = "auto"
+    """The grounding rewards read the model's coordinates as pixels of the resized image (Qwen2.5-VL) or a
+    0-1000 grid (Qwen2-VL, Qwen3-VL); auto: from the config. Ground truth: original pixels (grounding.py)."""
+    reward_timeout: float | None = None
+    """Seconds one reward call may take; a longer one stops the command with an error naming the reward and
+    the sample (e.g. a plug-in waiting on a network judge). Default: no limit. Needs SIGALRM (not Windows)."""
+
+    def check(self) -> None:
+        """The values that need nothing loaded; the rewards themselves are checked when they load."""
+        timeout = self.reward_timeout
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
+        # SIGALRM interrupts only the main thread, and Windows has none.
+        main_thread = threading.current_thread() is threading.main_thread()
+        if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):
+            raise ValueError("--reward-timeout: unsupported here (it needs SIGALRM, in the main thread)")
+
+
+def rewards_from_flags(
+    names: Sequence[str],
+    weights: Sequence[float] = (),
+    gates: Sequence[str] = (),
+    builtins: Mapping[str, rewards.RewardFn] | None = None,
+) -> list[rewards.Reward]:
+    """--reward, --reward-weight and --gate, as every command of this project reads them: parse_reward_specs
+    over `builtins` (default BUILTIN_REWARDS), each mistake a ValueError whose message starts with the flag
+    at fault."""
+    if weights and len(weights) != len(names):
+        raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
+    if unknown := sorted(set(gates) - set(names)):
+        raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
+    builtins = BUILTIN_REWARDS if builtins is None else builtins
+    try:
+        return rewards.parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
+    except ValueError as e:  # a plug-in that does not import, a name that is no reward: --reward's fault
+        raise ValueError(f"--reward: {e}") from e
+
+
+class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
+    pass
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _Expired
+
+
+@contextlib.contextmanager
+def _time_limit(name: str, timeout: float, where: str) -> Iterator[None]:
+    """Interrupt the `with` block after `timeout` seconds (SIGALRM), naming the reward and the completion;
+    the previous SIGALRM handler and timer (less the time spent here) come back after it."""
+    previous = signal.signal(signal.SIGALRM, _expire)
+    started, (delay, interval) = time.monotonic(), signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    except _Expired:
+        error = TimeoutError(f"reward {name!r} took longer than --reward-timeout {timeout} s on {where}")
+        error.user_message = str(error)
+        raise error from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if delay:  # 1 microsecond at least: a timer of 0 would be no timer at all
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
+
+
+# `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
+def _name_the_failure(error: BaseException, where: str) -> Exception:
+    frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
+    failure = error if isinstance(error, Exception) else RuntimeError(f"{where}: {error!r}")  # a SystemExit
+    failure.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
+    return failure
+
+
+def call_reward(
+    r: rewards.Reward,
+    index: int,
+    completion: str,
+    sample: Mapping[str, Any],
+    kwargs: dict[str, Any],
+    *,
+    timeout: float | None = None,
+) -> Any:
+    """One call of `r` for rewards.score (its `call`): within `timeout` seconds (None: no limit), and a
+    failure of the user's code named in one line (`user_message`)."""
+    where = rewards.describe_completion(index, sample)
+    with _time_limit(r.name, timeout, where) if timeout else contextlib.nullcontext():
+        try:
+            return r.fn(completion, sample, **kwargs)
+        except Exception as e:  # NOTE: not swallowed: raised again (rewards.score adds a note naming it)
+            _name_the_failure(e, f"raised by reward {r.name!r} on {where}")
+            raise
+        except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) not
+            if type(e) is not SystemExit:
+                raise
+            raise _name_the_failure(e, f"raised by reward {r.name!r} on {where}") from e
+
+
+def score(
+    completions: Sequence[str],
+    samples: Sequence[Mapping[str, Any]],
+    reward_fns: Sequence[rewards.Reward],
+    *,
+    completion_lengths: Sequence[int] | None = None,
+    timeout: float | None = None,
+) -> rewards.Scores:
+    """rewards.score with every call made by `call_reward` (`timeout`: --reward-timeout, None: no limit); a
+    value that is no number fails with its `user_message` too."""
+    call = functools.partial(call_reward, timeout=timeout)
+    try:
+        return rewards.score(
+            completions, samples, reward_fns, completion_lengths=completion_lengths, call=call
+        )
+    except rewards.RewardValueError as e:
+        e.user_message = str(e)
+        raise
