@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from transformers import AutoImageProcessor
 
-import data
 import rewards
-from grpo_vlm import tasks, tools
+from grpo_vlm import dataset, tasks, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 
@@ -49,10 +48,10 @@ def test_inspection_zoom_mark_vanishes_in_the_resized_photo_but_is_clear_in_a_cr
     resized, cropped = {True: [], False: []}, {True: []}
     for s in samples:
         photo = s["images"][0]
-        seen = photo.convert("RGB").resize(data.resized_size(processor, photo.size), processor.resample)
+        seen = photo.convert("RGB").resize(dataset.resized_size(processor, photo.size), processor.resample)
         resized[s["mark_box"] is not None].append(redness(seen).max())
         crop = tools.zoom({"image": 0, "bbox_2d": s["zoom_box"]}, s)  # original pixels: the panel
-        seen_crop = crop.resize(data.resized_size(processor, crop.size), processor.resample)
+        seen_crop = crop.resize(dataset.resized_size(processor, crop.size), processor.resample)
         if s["mark_box"]:
             cropped[True].append(redness(seen_crop).max())
     figures = {k: round(float(np.mean(v))) for k, v in {**resized, "crop": cropped[True]}.items()}
