@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from transformers import AutoImageProcessor
 
+import data
 import rewards
 from grpo_vlm import dataset, tasks, tools
 
@@ -24,6 +25,12 @@ def test_builtin_tasks_are_deterministic_per_seed_and_splits_differ(task):
     assert train != fingerprint(tasks.make_task(task, 30, seed=6))
     test = fingerprint(tasks.make_task(task, 30, split="test", seed=5))
     assert [t[2:] for t in train] != [t[2:] for t in test]  # ids repeat, contents must not
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_the_package_draws_the_same_inspection_samples_as_the_reference(split):
+    ours = fingerprint(tasks.make_task("inspection", 40, split=split, seed=3))
+    assert ours == fingerprint(data.inspection_samples(40, split=split, seed=3))
 
 
 def test_inspection_labels_are_balanced_and_reference_answers_are_well_formed():
