@@ -329,7 +329,7 @@ def batch_for_step(
     rounds: int = 1,
 ) -> list[dict]:
     """This rank's B samples: [rank*B, (rank+1)*B) of the step's B*R, from epochs of seeded permutations,
-    a pure function of (step, round), so resume is exact. NOTE: --adv-scale batch: the std of these B only."""
+    a pure function of (step, round), so resume is exact. NOTE: a per-batch std scales by these B only."""
     if sampling_round > 0:  # dynamic sampling's extra round k of `rounds` reads a stream of its own
         step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
     global_size = batch_size * world
