@@ -1,12 +1,12 @@
-"""Samples, image+text prompt preparation for Qwen-VL style models, and decoding completions.
+"""Samples, image+text prompt preparation for Qwen-VL style models, decoding completions, the default task.
 
 A *sample* is a plain dict, one per JSONL line; other fields go to the reward functions untouched:
 
     {"id": "a1", "images": ["img/a1_0.png"], "prompt": "Inspect the installation.", "label": "通过"}
 
-`images` are paths relative to the JSONL file (or absolute), possibly none, all shown in one prompt (the
-built-in tasks of tasks.py put `PIL.Image` objects there); `prompt` follows them in one user turn, or
-`messages` gives the chat turns, with one `{"type": "image"}` content entry per image, in order.
+`images` are paths relative to the JSONL file (or absolute; `PIL.Image` objects in the built-in task), maybe
+none, all in one prompt: `prompt` follows them in one user turn, or `messages` gives the chat turns, with one
+`{"type": "image"}` content entry per image, in order.
 
 Prompts are prepared as the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors do, without torchvision: the chat
 template writes `<|vision_start|><|image_pad|><|vision_end|>` per image, the image processor gives
@@ -17,40 +17,28 @@ column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` p
 Choices:
 - A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
   desynchronise text and `pixel_values`, and a cut through the text changes the task.
-- Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
-  (`describe_resizes` says so), and decoded once at that size, not in full at every step (`_shrunk`);
-  files above `max_image_pixels` (a PNG decodes in full before it can shrink) are refused when they load.
 - Rows are expanded like `repeat_interleave` (prompt b becomes rows b*G .. b*G+G-1), `pixel_values` and
   `image_grid_thw` per prompt block; a flat `repeat` would pair row b's text with another row's pixels.
 - A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
   sampled (an image token would have no pixels); decoding keeps Qwen-VL's grounding markers.
 """
 
-from __future__ import annotations
-
-import functools
-import itertools
 import json
 import random
 import re
-import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from PIL import Image
+from PIL import Image, ImageDraw
 from transformers.image_transforms import convert_to_rgb
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-from grpo_vlm import tasks
 
 IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
-EXCERPT_CHARS = 30  # characters of the line shown on each side of a JSON error
 
 
-# --- Samples: JSONL files, their images, the built-in tasks -------------------------------------------------
+# --- Samples: JSONL files and their images ------------------------------------------------------------------
 def location(sample: dict) -> str:
     """'file:line' of a sample read from JSONL, or its id / '<synthetic>' for generated samples."""
     return sample.get("_where") or f"sample {sample.get('id', '<synthetic>')}"
@@ -102,7 +90,7 @@ def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
     elif not text[pos:].strip():
         hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
     why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
-    start, end = max(pos - EXCERPT_CHARS, 0), pos + EXCERPT_CHARS
+    start, end = max(pos - 30, 0), pos + 30  # 30 characters of the line on each side of the fault
     excerpt = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
     return f"{where}:{pos + 1}: invalid JSON: {why}{hint}; near: {excerpt}"
 
@@ -124,12 +112,6 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
             raise ValueError(
                 f'{where}: messages[{i}]: must be {{"role": string, "content": string or list of objects}}'
             )
-    summaries = sample.get("summaries")
-    strings = isinstance(summaries, list) and summaries and all(isinstance(t, str) for t in summaries)
-    if summaries is not None and not strings:
-        raise ValueError(f"{where}: field 'summaries' must be a non-empty list of strings (one per image)")
-    if summaries is not None and sample.get("images"):
-        raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
@@ -140,182 +122,63 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     return {**sample, "images": [str(full) for full in resolved], "_where": where}
 
 
-def load_image(image: str | Image.Image, sample: dict, image_processor=None) -> Image.Image:
-    """RGB as the image processor makes it (alpha onto white), a file shrunk as by it (`_decode`)."""
+def load_image(image: str | Path | Image.Image, sample: dict) -> Image.Image:
+    """RGB as transformers' image processors make it (alpha composited onto white); a file decoded in full."""
     if isinstance(image, Image.Image):
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
     try:  # converting forces a full decode, so truncated files fail here; missing or empty ones too
-        return _decode(path := Path(image), _resize_rule(image_processor))
+        with Image.open(path := Path(image)) as im:
+            return load_image(im, sample)
     except (OSError, Image.DecompressionBombError) as e:
         size = path.stat().st_size if path.is_file() else None
         why = "not found" if size is None else "is an empty file" if size == 0 else f"cannot be decoded ({e})"
         raise ValueError(f"{location(sample)}: image {path} {why}") from e
 
 
-def _resize_rule(image_processor) -> tuple[int, int, int, int] | None:
-    """(factor, min_pixels, max_pixels) of Qwen-VL's `smart_resize` and the resampling filter, or None."""
-    if image_processor is None:
-        return None
-    size, factor = image_processor.size, image_processor.patch_size * image_processor.merge_size
-    return factor, size["shortest_edge"], size["longest_edge"], image_processor.resample
+# --- The built-in inspection task: the default run's samples, drawn with PIL -------------------------------
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
+IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
+INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
 
 
-def resized_size(image_processor, size: tuple[int, int]) -> tuple[int, int]:
-    """(w', h'): the size the image processor resizes a (w, h) image to (`smart_resize`, its pixel budget)."""
-    height, width = smart_resize(size[1], size[0], *_resize_rule(image_processor)[:3])
-    return width, height
+def inspection_sample(rng: random.Random, index: int) -> dict:
+    """1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark. The per-photo
+    defect probability makes pass and fail equally likely for every photo count."""
+    n_images = rng.randint(1, 4)
+    p_defect = 1 - 0.5 ** (1 / n_images)
+    images, defective = [], []
+    for k in range(n_images):
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
+        draw = ImageDraw.Draw(image)
+        draw.rectangle((6, 6, 49, 49), fill=(120, 125, 135))  # the panel
+        for bx, by in ((12, 12), (40, 12), (12, 40), (40, 40)):  # four bolts
+            draw.ellipse((bx - 3, by - 3, bx + 3, by + 3), fill=(60, 60, 60))
+        if rng.random() < p_defect:
+            cx, cy, r = rng.randint(16, 40), rng.randint(16, 40), rng.randint(6, 9)
+            draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
+            defective.append(k + 1)
+        images.append(image)
+    label, reason = ("不通过", f"理由: 图片{defective[0]}有缺陷") if defective else ("通过", "理由: 无缺陷")
+    return {
+        "id": f"inspection-{index}",
+        "images": images,
+        "prompt": INSPECTION_PROMPT,
+        "label": label,
+        "answer": f"{label}\n{reason}",
+    }
 
 
-NO_BOMB_WARNING = dict(action="ignore", category=Image.DecompressionBombWarning)  # --max-image-pixels decides
+def inspection_samples(n: int, *, split: Literal["train", "test"] = "train", seed: int = 0) -> list[dict]:
+    """`n` inspection samples, the same for the same (split, seed); split "test" is a disjoint stream."""
+    rng = random.Random(f"inspection/{split}/{seed}")  # disjoint streams: a test sample is no train sample
+    return [inspection_sample(rng, i) for i in range(n)]
 
 
-def image_size(path: str | Path) -> tuple[int, int]:
-    """(width, height) from the file's header, nothing decoded."""
-    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
-        return im.size
-
-
-def _decode(path: Path, rule: tuple[int, int, int, int] | None) -> Image.Image:
-    """The file in RGB; one larger than the processor's budget (`rule`) comes shrunk to the size the processor
-    resizes it to (`_shrunk`). `info["original_size"]` is (width, height) on disk either way."""
-    width, height = image_size(path)
-    if rule is not None and width * height > rule[2]:
-        return _shrunk(str(path), rule)
-    with Image.open(path) as im:
-        image = load_image(im, {})
-    image.info["original_size"] = image.size
-    return image
-
-
-@functools.lru_cache(maxsize=8)
-def _shrunk(path: str, rule: tuple[int, int, int, int]) -> Image.Image:
-    """An image larger than the budget, decoded once and resized as the processor would (to `smart_resize`'s
-    size, with its filter), so that its own resize keeps it as it is: `pixel_values` are exactly those of the
-    full image. NOTE: a JPEG decodes at a reduced DCT scale first (`draft`, never below that size), so it is
-    never decoded in full, and its `pixel_values` are close to, not equal to, the full image's. The last 8
-    stay in memory (at most 8 x max_pixels x 3 bytes): an image drawn again soon is not decoded again."""
-    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
-        original = im.size
-        height, width = smart_resize(original[1], original[0], *rule[:3])
-        im.draft(None, (width, height))  # JPEG only; other formats ignore it
-        # Without alpha, convert_to_rgb is convert("RGB"): one full-size copy instead of three (numpy, back).
-        alpha = "A" in im.getbands() or im.info.get("transparency") is not None
-        image = (load_image(im, {}) if alpha else im.convert("RGB")).resize((width, height), rule[3])
-    image.info["original_size"] = original
-    return image
-
-
-@dataclass
-class DataConfig:
-    """Where the samples come from and how their prompts are prepared. Field names are train.py's flags."""
-
-    data: tuple[str, ...] = ()
-    """Training JSONL file(s). Empty: the built-in task `--task`."""
-    eval_data: str | None = None
-    """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
-    task: Literal["inspection", "shapes", "summaries", "inspection-zoom"] = "inspection"
-    """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
-    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries),
-    inspection-zoom (one large photo whose small defect mark shows only in a crop: --tools zoom)."""
-    prompt_template: str | None = None
-    """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
-    of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
-    train_size: int = 2000
-    """Number of built-in training samples."""
-    eval_size: int = 200
-    """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
-    max_prompt_length: int = 4096
-    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
-    min_pixels: int | None = None
-    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
-    max_pixels: int | None = None
-    """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
-    max_image_pixels: int = 89_478_485
-    """Images with more pixels on disk are refused when the data loads (a PNG has to be decoded in full,
-    3 bytes a pixel, before it can be shrunk). Default: Pillow's own warning limit; at most twice that."""
-
-    def check(self) -> None:
-        """Each value's range and each file named, with the flag at fault first in the message."""
-        sizes = [("--max-prompt-length", self.max_prompt_length, 1), ("--train-size", self.train_size, 1)]
-        sizes += [("--max-image-pixels", self.max_image_pixels, 1)]
-        for flag, value, low in [*sizes, ("--eval-size", self.eval_size, 0)]:
-            if value < low:
-                raise ValueError(f"{flag}: must be >= {low}, got {value}")
-        if self.max_image_pixels > 2 * Image.MAX_IMAGE_PIXELS:  # Pillow refuses these as decompression bombs
-            raise ValueError(
-                f"--max-image-pixels: at most {2 * Image.MAX_IMAGE_PIXELS:,}, got {self.max_image_pixels}"
-            )
-        files = [("--data", path) for path in self.data] + [("--eval-data", self.eval_data)]
-        for flag, path in [*files, ("--prompt-template", self.prompt_template)]:
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{flag}: {path} does not exist (or is not a file)")
-
-
-def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template)."""
-    if config.data:
-        train = []
-        for path in config.data:
-            train += (loaded := read_jsonl(path))
-            print(f"loaded {len(loaded)} samples from {path}")
-        held_out = read_jsonl(config.eval_data)[: config.eval_size] if config.eval_data else []
-    else:
-        train = tasks.make_task(config.task, config.train_size, seed=seed)
-        held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
-    template = Path(config.prompt_template).read_text(encoding="utf-8") if config.prompt_template else None
-    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
-
-
-# --- Image ablation: does the policy look at the images? ----------------------------------------------------
-IMAGE_ABLATIONS = ("blank", "shuffle")
-
-
-def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict]:
-    """The samples without their images: "blank" greys each out at its size (same image tokens); "shuffle"
-    moves them between slots across samples, none in its own slot (though maybe in another of its sample)."""
-    if mode not in IMAGE_ABLATIONS:
-        raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
-    images = [image for sample in samples for image in sample.get("images") or []]
-    if mode == "blank":
-        sizes = [image_size(im) if isinstance(im, str) else im.size for im in images]
-        replaced = [Image.new("RGB", size, (128, 128, 128)) for size in sizes]
-    else:
-        order = random.Random(seed).sample(range(len(images)), len(images))
-        # Slot order[j] takes the image of slot order[j - 1]: a cycle through every slot, no fixed point.
-        replaced = [images[source] for _, source in sorted(zip(order, order[-1:] + order[:-1]))]
-    taken = iter(replaced)
-    return [{**s, "images": [next(taken) for _ in s["images"]]} if s.get("images") else s for s in samples]
-
-
-# --- Prompts: summaries rendered, chat text, tensors, the pixel budget, rows B -> N -------------------------
-DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
-
-
-def render_summaries(sample: dict, template: str | None = None) -> str:
-    """The prompt of a sample with per-image text `summaries` instead of images: `template` (e.g. the text of
-    assets/summaries_template.txt) filled with {prompt}, {num_images} and {summaries}, lines `图片_1: …`."""
-    lines = "\n".join(f"图片_{i}: {text}" for i, text in enumerate(sample["summaries"], start=1))
-    fields = {"prompt": sample.get("prompt", ""), "summaries": lines, "num_images": len(sample["summaries"])}
-    try:
-        return (template or DEFAULT_SUMMARY_TEMPLATE).format_map(fields)
-    except KeyError as e:
-        raise ValueError(
-            f"{location(sample)}: prompt template has an unknown placeholder {e}; known: {', '.join(fields)}"
-        ) from e
-
-
-def apply_prompt_template(samples: list[dict], template: str | None) -> list[dict]:
-    """Render the prompt of every sample that carries `summaries` (once, at load time), dropping them."""
-    rendered = [{**s, "prompt": render_summaries(s, template)} if "summaries" in s else s for s in samples]
-    return [{k: v for k, v in s.items() if k != "summaries"} for s in rendered]
-
-
+# --- Prompts: chat text, tensors, rows B -> N ---------------------------------------------------------------
 def sample_messages(sample: dict) -> list[dict]:
-    """Chat turns of a sample: `messages`, or one user turn of its images, then its prompt (or summaries)."""
+    """Chat turns of a sample: `messages`, or one user turn of its images, then its prompt."""
     if "messages" in sample:
         return sample["messages"]
-    if "summaries" in sample:
-        return [{"role": "user", "content": [{"type": "text", "text": render_summaries(sample)}]}]
     images = [{"type": "image"} for _ in sample.get("images", [])]
     return [{"role": "user", "content": [*images, {"type": "text", "text": sample["prompt"]}]}]
 
@@ -328,8 +191,6 @@ class PromptBatch:
 
     inputs: dict[str, torch.Tensor]
     images_per_row: list[int]
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (w, h) of each original
-    resized_sizes: list[tuple[int, int]] = field(default_factory=list)  # (w, h) the model sees
 
     @property
     def prompt_length(self) -> int:
@@ -343,12 +204,14 @@ def prepare_prompts(
     *,
     device: torch.device | str,
     max_prompt_length: int | None = None,
+    loader: Callable[[str | Image.Image, dict], Image.Image] = load_image,
 ) -> PromptBatch:
-    """Chat-template, tokenize, process images and left-pad a batch of samples (one row per sample)."""
-    per_row = [[load_image(im, s, image_processor) for im in s.get("images", [])] for s in samples]
-    texts = [_chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
+    """Chat-template, tokenize, process images (`loader(image, sample)` gives each in RGB) and left-pad a
+    batch of samples (one row per sample)."""
+    per_row = [[loader(im, s) for im in s.get("images", [])] for s in samples]
+    texts = [chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
     images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
-    inputs, resized = {}, []
+    inputs = {}
     if images:
         if image_processor is None:
             raise ValueError(f"{location(samples[0])}: a text-only model (no image processor) got images")
@@ -357,10 +220,9 @@ def prepare_prompts(
         counts = iter((grid.prod(-1) // image_processor.merge_size**2).tolist())  # visual tokens of image k
         texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in texts]
         inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
-        resized = [tuple(s) for s in (grid[:, 1:].flip(-1) * image_processor.patch_size).tolist()]  # (w, h)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     for sample, row in zip(samples, ids):
-        _check_prompt_length(sample, len(row), max_prompt_length)
+        check_prompt_length(sample, len(row), max_prompt_length)
     P = max(len(row) for row in ids)  # NOTE: left padding, so that every row's completion starts at column P
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (P - len(row)) + row for row in ids])  # (rows, P)
     mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids])  # (rows, P)
@@ -368,10 +230,10 @@ def prepare_prompts(
     if images:  # transformers builds Qwen-VL's 3D (t, h, w) rotary positions from this: 1 marks image tokens
         inputs["mm_token_type_ids"] = mask * input_ids.eq(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
     inputs = {key: value.to(device) for key, value in inputs.items()}
-    return PromptBatch(inputs, images_per_row, [i.info.get("original_size", i.size) for i in images], resized)
+    return PromptBatch(inputs, images_per_row)
 
 
-def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
+def chat_text(sample: dict, tokenizer, num_images: int) -> str:
     """The chat-templated prompt with one `<|image_pad|>` per image (expanded later to the visual tokens)."""
     text = tokenizer.apply_chat_template(sample_messages(sample), tokenize=False, add_generation_prompt=True)
     if text.count(IMAGE_PAD) != num_images:
@@ -382,109 +244,14 @@ def _chat_text(sample: dict, tokenizer, num_images: int) -> str:
     return text
 
 
-def _check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
+def check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
+    """Refuse a prompt of `length` tokens, visual ones included, longer than `max_prompt_length`."""
     if max_prompt_length is not None and length > max_prompt_length:
         raise ValueError(
             f"{location(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
             f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
             f"cut through the image tokens would no longer match pixel_values)"
         )
-
-
-@dataclass
-class ResizeReport:
-    """Images larger than the image processor's pixel budget, which it resizes down silently."""
-
-    count: int = 0
-    largest: tuple[int, int] | None = None  # (width, height) of the largest such original
-    longest_prompt: int = 0  # tokens, visual ones included: the P that memory estimates take
-
-
-def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
-    """--min-pixels / --max-pixels (None: the checkpoint's own), set on the processor itself so that prompts,
-    the prompt-length check and the sizes reported agree. NOTE: `size` holds pixel counts despite its keys."""
-    if image_processor is None or (min_pixels is None and max_pixels is None):
-        return
-    low = min_pixels if min_pixels is not None else image_processor.size["shortest_edge"]
-    high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
-    if not 0 < low <= high:
-        raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
-    image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
-
-
-def image_pixel_budget(image_processor) -> int | None:
-    """The most pixels an image keeps (`size["longest_edge"]`, a pixel count): Qwen-VL shrinks larger ones."""
-    return None if image_processor is None else image_processor.size["longest_edge"]
-
-
-def check_samples(
-    samples: list[dict],
-    tokenizer,
-    image_processor,
-    *,
-    max_prompt_length: int | None,
-    max_image_pixels: int | None = None,
-) -> ResizeReport:
-    """Fail fast, before any model work: refuse images above `max_image_pixels` before decoding them, decode
-    every other one once, and bound every prompt's length (visual tokens from image sizes by the processor's
-    own rule, no pixels processed); return the ones it shrinks."""
-    budget, oversized, longest = image_pixel_budget(image_processor), [], 0
-    for sample in samples:
-        for image in sample.get("images", []):
-            _check_pixel_count(image, sample, max_image_pixels)
-        images = [load_image(im, sample, image_processor) for im in sample.get("images", [])]  # corrupt: here
-        sizes = [im.info.get("original_size", im.size) for im in images]
-        if sizes and image_processor is None:
-            raise ValueError(f"{location(sample)}: a text-only model (no image processor) got images")
-        text = _chat_text(sample, tokenizer, len(sizes))
-        length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each
-        for width, height in sizes:
-            patches = image_processor.get_number_of_image_patches(height, width, {})
-            length += patches // image_processor.merge_size**2
-            if budget is not None and width * height > budget:
-                oversized.append((width, height))
-        _check_prompt_length(sample, length, max_prompt_length)
-        longest = max(longest, length)
-    largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
-    return ResizeReport(len(oversized), largest, longest)
-
-
-def _check_pixel_count(image: str | Image.Image, sample: dict, max_image_pixels: int | None) -> None:
-    if max_image_pixels is None or not isinstance(image, str):
-        return
-    try:
-        width, height = image_size(image)
-    except (OSError, Image.DecompressionBombError):
-        return  # load_image names what is wrong with the file
-    if width * height > max_image_pixels:
-        raise ValueError(
-            f"{location(sample)}: image {image} is {width}x{height} ({width * height:,} pixels), more than "
-            f"--max-image-pixels {max_image_pixels:,}; shrink it, or raise the limit"
-        )
-
-
-def describe_resizes(report: ResizeReport, budget: int) -> str | None:
-    """One line saying how many images the image processor shrinks, and the largest; None when none."""
-    if report.count == 0:
-        return None
-    (w, h), big = report.largest, f"larger than the image processor's budget ({budget:,} pixels)"
-    if report.count == 1:
-        return f"1 image is {big} and is resized down to fit it: {w}x{h}"
-    return f"{report.count:,} images are {big} and are resized down to fit it; the largest is {w}x{h}"
-
-
-def with_grounding(samples: list[dict], batch: PromptBatch, frame: str | None) -> list[dict]:
-    """Each sample with an image gets sample["grounding"] = {frame, original_size, resized_size} of its first
-    image, for a grounding reward to compare the model's coordinates with original-pixel ground truth."""
-    if frame is None:
-        return samples
-    first_image = [0, *itertools.accumulate(batch.images_per_row)]  # index of each row's first image
-    out = list(samples)
-    for row, (k, n) in enumerate(zip(first_image, batch.images_per_row)):
-        if n:
-            sizes = dict(original_size=list(batch.image_sizes[k]), resized_size=list(batch.resized_sizes[k]))
-            out[row] = {**samples[row], "grounding": {"frame": frame, **sizes}}
-    return out
 
 
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
@@ -500,8 +267,7 @@ def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
 
 
 # --- Sampling and decoding: which tokens end or never appear in a completion --------------------------------
-# Qwen-VL's grounding markers, special tokens a completion may contain (Qwen2-VL writes its boxes as
-# <|object_ref_start|>name<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>).
+# Special tokens a completion may keep: Qwen-VL's grounding markers (<|box_start|>(x1,y1),(x2,y2)<|box_end|>)
 GROUNDING_TOKENS = tuple(f"<|{k}_{e}|>" for k in ("object_ref", "box", "quad") for e in ("start", "end"))
 
 
@@ -529,7 +295,7 @@ def suppressed_tokens(tokenizer, eos_ids: Sequence[int] | None = None) -> list[i
 def sampling_options(
     tokenizer, generation_config=None, *, max_new_tokens: int, temperature: float, top_p: float = 1.0
 ) -> dict:
-    """The samplers' keyword arguments (grpo.sample_completions, speedups.sample_shared_prefill)."""
+    """The sampler's keyword arguments (grpo.sample_completions)."""
     ends = end_of_turn_ids(tokenizer, generation_config)
     suppress = suppressed_tokens(tokenizer, ends)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends)
@@ -563,7 +329,7 @@ def batch_for_step(
     rounds: int = 1,
 ) -> list[dict]:
     """This rank's B samples: [rank*B, (rank+1)*B) of the step's B*R, from epochs of seeded permutations,
-    a pure function of (step, round), so resume is exact. NOTE: --adv-scale batch: the std of these B only."""
+    a pure function of (step, round), so resume is exact. NOTE: a per-batch std scales by these B only."""
     if sampling_round > 0:  # dynamic sampling's extra round k of `rounds` reads a stream of its own
         step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
     global_size = batch_size * world

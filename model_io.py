@@ -6,30 +6,21 @@ in `assets/` tests the real loading path offline. lora.py's adapters are written
 so `peft.PeftModel.from_pretrained(base, dir)` reads ours, and we read PEFT's (plain LoRA options only).
 
 Choices:
-- Every file is written whole (`atomic_write`: a temporary file renamed over the old one) and fsynced, and an
-  error names the file; a file to read must be a regular one. checkpoints.py writes and reads through these.
+- An adapter's two files are written by the caller's `write` (a plain write by default); a file to read must
+  be a regular one (a FIFO would block the read).
 - An adapter is refused, before the model changes, when it uses a PEFT option lora.py lacks, when its keys or
   shapes do not match the model's layers, or when it holds NaN or inf values.
 """
 
-from __future__ import annotations
-
 import json
 import math
-import os
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
-from transformers import (
-    AutoConfig,
-    AutoImageProcessor,
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoTokenizer,
-)
 
 import lora
 
@@ -64,29 +55,21 @@ def load_model(
     if local.is_dir() and not (local / "config.json").is_file():
         raise ValueError(f"cannot load a model config from {name_or_path!r}: the folder has no config.json")
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = transformers.AutoConfig.from_pretrained(name_or_path)
     except OSError as e:  # not a folder with config.json, and not reachable on the hub
         raise ValueError(f"cannot load a model config from {name_or_path!r}: {e}") from e
     is_vlm = getattr(config, "vision_config", None) is not None
-    model_class = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
+    model_class = transformers.AutoModelForImageTextToText if is_vlm else transformers.AutoModelForCausalLM
     attention = dict(attn_implementation=attn_implementation)  # None: transformers' choice
     model = model_class.from_pretrained(name_or_path, dtype=dtype, **attention).to(device)
     model.requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
     model.eval()  # NOTE: no dropout in the base; LoRA dropout is switched by the trainer explicitly
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # safe: completion masks are built from lengths
-    image_processor = AutoImageProcessor.from_pretrained(name_or_path) if is_vlm else None
+    image_processor = transformers.AutoImageProcessor.from_pretrained(name_or_path) if is_vlm else None
     return model, tokenizer, image_processor
-
-
-def save_model(model, tokenizer, image_processor, directory: str | Path) -> None:
-    """`save_pretrained` model, tokenizer and image processor into one folder (merge: `lora.unload_lora`)."""
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    if image_processor is not None:
-        image_processor.save_pretrained(directory)
 
 
 def cosine_with_warmup(
@@ -103,35 +86,7 @@ def cosine_with_warmup(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-# --- Files: written whole, read only when regular -----------------------------------------------------------
-
-
-def write_file(path: Path, content: bytes, *, name: str | Path | None = None) -> None:
-    """Write `content` to `path` and fsync it. The OSError of a failed write (no space left, ...) names no
-    file; here it names `name` (default `path`), so the one-line error can say which."""
-    try:
-        with path.open("wb") as f:
-            f.write(content)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        if e.filename is not None and str(e.filename) != str(path):
-            raise
-        raise OSError(e.errno, e.strerror, str(name or path)) from e
-
-
-def atomic_write(path: str | Path, content: bytes) -> None:
-    """Write a temp file beside `path`, fsync it and rename it over `path`: a reader or a crash sees the old
-    or the new file, never half of one (the folder is not fsynced: a lost rename brings back the old file)."""
-    tmp = Path(path).with_name(f".{Path(path).name}.{uuid.uuid4().hex}.tmp")
-    try:
-        write_file(tmp, content, name=path)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
+# --- LoRA adapters in PEFT's format -------------------------------------------------------------------------
 def regular_file(path: str | Path) -> Path:
     """`path`, refused unless a regular file: opening a FIFO would wait for a writer, deaf to signals."""
     if (path := Path(path)).exists() and not path.is_file():  # is_file: stat.S_ISREG
@@ -139,10 +94,10 @@ def regular_file(path: str | Path) -> Path:
     return path
 
 
-# --- LoRA adapters in PEFT's format -------------------------------------------------------------------------
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
+Write = Callable[[Path, bytes], object]  # how save_adapter writes a file: path, its whole content
 
 
 def _hyperparameters(model: torch.nn.Module) -> dict:
@@ -162,15 +117,22 @@ def _hyperparameters(model: torch.nn.Module) -> dict:
     return peft | dict(layers_to_transform=layers, layers_pattern=path.rpartition(".")[2])
 
 
-def save_adapter(model: torch.nn.Module, directory: str | Path, *, base_model_name_or_path: str) -> None:
-    """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each atomically."""
+def save_adapter(
+    model: torch.nn.Module,
+    directory: str | Path,
+    *,
+    base_model_name_or_path: str,
+    write: Write = Path.write_bytes,
+) -> None:
+    """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each by `write(path, bytes)`:
+    a plain write by default (the package passes its whole-file `atomic_write`)."""
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **_hyperparameters(model)}
     config |= {"bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False}
     config |= {"inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
     tensors = {_PEFT_PREFIX + k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
-    os.makedirs(directory, exist_ok=True)
-    atomic_write(os.path.join(directory, ADAPTER_WEIGHTS), save(tensors, {"format": "pt"}))
-    atomic_write(os.path.join(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    write(Path(directory, ADAPTER_WEIGHTS), save(tensors, {"format": "pt"}))
+    write(Path(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
 
 
 def _read_adapter_config(path: Path) -> dict:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 import model_io
-from grpo_vlm import cli
+from grpo_vlm import cli, files
 
 # --- Checkpoints --------------------------------------------------------------------------------------------
 STATE_FILE = "trainer_state.pt"
@@ -99,7 +99,7 @@ def save_checkpoint(
         write_adapter(tmp)
         buffer = io.BytesIO()  # written by write_file, whose error names the file (torch.save's would not)
         torch.save({**state, "rng": rng_state()}, buffer)
-        model_io.write_file(tmp / STATE_FILE, buffer.getvalue())
+        files.write_file(tmp / STATE_FILE, buffer.getvalue())
         # NOTE: fail now, not at a resume hours later, when the state is not plain data. The scan (torch >=
         # 2.5) reads only the pickle, not the tensors; older torch skips the check.
         scan = getattr(torch.serialization, "get_unsafe_globals_in_checkpoint", None)
@@ -108,14 +108,14 @@ def save_checkpoint(
                 f"the trainer state holds objects that are not plain data ({', '.join(unsafe)}); store "
                 f"tensors, numbers, strings, lists and dicts only, or it could not be loaded safely"
             )
-        files = {}
+        listed = {}
         for f in sorted(filter(Path.is_file, tmp.rglob("*"))):  # on disk before the rename shows the folder
             with f.open("rb") as fh:
                 os.fsync(fh.fileno())
                 digest = hashlib.file_digest(fh, "sha256").hexdigest()
-            files[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": digest}
-        manifest = {"run_id": run_id, "step": state.get("step"), "files": files}
-        model_io.write_file(tmp / OWNER_FILE, (json.dumps(manifest, indent=2) + "\n").encode())  # ASCII
+            listed[f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": digest}
+        manifest = {"run_id": run_id, "step": state.get("step"), "files": listed}
+        files.write_file(tmp / OWNER_FILE, (json.dumps(manifest, indent=2) + "\n").encode())  # ASCII
         old = directory.with_name(directory.name + ".old")
         if directory.exists():  # re-saving the same step (e.g. after a resume): swap, never delete first
             shutil.rmtree(old, ignore_errors=True)
@@ -139,8 +139,8 @@ def verify_checkpoint(directory: str | Path) -> str | None:
     if not (path := directory / OWNER_FILE).exists():
         return None
     try:
-        files = json.loads(model_io.regular_file(path).read_text(encoding="utf-8")).get("files")
-        for name, record in (files or {}).items():
+        listed = json.loads(model_io.regular_file(path).read_text(encoding="utf-8")).get("files")
+        for name, record in (listed or {}).items():
             want = int(record["bytes"]), str(record["sha256"])
             if not (f := directory / name).exists():
                 return f"{name} is missing"
@@ -361,7 +361,7 @@ def trim_jsonl(path: Path, last_step: int) -> None:
         step = record.get("step") if isinstance(record, dict) else None
         if isinstance(step, numbers.Real) and step <= last_step:
             kept.append(raw.rstrip(b"\r"))
-    model_io.atomic_write(path, b"".join(line + b"\n" for line in kept))
+    files.atomic_write(path, b"".join(line + b"\n" for line in kept))
 
 
 def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: dict) -> str | None:
@@ -381,7 +381,7 @@ def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: 
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
     record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
-    model_io.atomic_write(out / "run.json", record.encode() + b"\n")
+    files.atomic_write(out / "run.json", record.encode() + b"\n")
     if not removed:
         return None
     left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""

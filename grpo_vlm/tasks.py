@@ -8,7 +8,8 @@ seeded `random.Random`: the same (task, split, seed) always gives the same sampl
 
 - shapes: one 56x56 photo of a coloured shape; the answer is "red circle" (reward: answer_match).
 - inspection: 1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark; the
-  answer is the verdict on line 1 and `理由: ...` on line 2 (rewards: label, format).
+  answer is the verdict on line 1 and `理由: ...` on line 2 (rewards: label, format). Its drawing is
+  data.py's (`data.inspection_sample`), the reference's default task; make_task draws the same stream.
 - inspection-zoom: one 448x448 photo of a small panel at its centre, with (probability 1/2) a 2x2-pixel
   red defect mark on it that the resize to the tiny model's budget (112x112) blurs into the photo's colour
   noise, but that a crop of the panel at full resolution shows (`zoom` in tools.py; rewards: label, format,
@@ -25,6 +26,8 @@ import random
 
 from PIL import Image, ImageDraw
 
+import data
+
 # The rewards each built-in task trains with when --reward is not given.
 TASK_REWARDS = {
     "shapes": ("answer_match",),
@@ -32,11 +35,8 @@ TASK_REWARDS = {
     "summaries": ("label", "format"),
     "inspection-zoom": ("label", "format", "tool_format"),
 }
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("circle", "square", "triangle")
-IMAGE_SIZE = 56  # pixels; with 14-pixel patches and 2x2 merging one image is 4 visual tokens
 SHAPES_PROMPT = "what colour and shape is this?"
-INSPECTION_PROMPT = "inspect the installation. answer 通过 or 不通过 on line 1 and 理由: on line 2."
 SUMMARIES_PROMPT = "inspect the installation from the photo summaries. answer 通过 or 不通过, then 理由:."
 TASKS = ("shapes", "inspection")  # the image tasks the tiny model was warm-started on
 TOOL_TASKS = ("inspection-zoom",)  # a task the tools asset (assets/tiny-qwen2.5-vl-tools) was warm-started on
@@ -54,48 +54,16 @@ def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int,
 
 
 def _shapes_sample(rng: random.Random, index: int) -> dict:
-    colour, shape = rng.choice(list(COLOURS)), rng.choice(SHAPES)
-    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (235, 235, 235))
+    colour, shape = rng.choice(list(data.COLOURS)), rng.choice(SHAPES)
+    image = Image.new("RGB", (data.IMAGE_SIZE, data.IMAGE_SIZE), (235, 235, 235))
     size = rng.randint(30, 46)
-    x0, y0 = rng.randint(2, IMAGE_SIZE - size - 2), rng.randint(2, IMAGE_SIZE - size - 2)
-    _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + size, y0 + size), COLOURS[colour])
+    x0, y0 = rng.randint(2, data.IMAGE_SIZE - size - 2), rng.randint(2, data.IMAGE_SIZE - size - 2)
+    _draw_shape(ImageDraw.Draw(image), shape, (x0, y0, x0 + size, y0 + size), data.COLOURS[colour])
     return {
         "id": f"shapes-{index}",
         "images": [image],
         "prompt": SHAPES_PROMPT,
         "answer": f"{colour} {shape}",
-    }
-
-
-def _inspection_sample(rng: random.Random, index: int) -> dict:
-    """1-4 photos of one installation; it passes (通过) iff no photo shows a red defect mark.
-
-    The per-photo defect probability makes pass and fail equally likely for every photo count.
-    """
-    n_images = rng.randint(1, 4)
-    p_defect = 1 - 0.5 ** (1 / n_images)
-    images, defective = [], []
-    for k in range(n_images):
-        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
-        draw = ImageDraw.Draw(image)
-        draw.rectangle((6, 6, 49, 49), fill=(120, 125, 135))  # the panel
-        for bx, by in ((12, 12), (40, 12), (12, 40), (40, 40)):  # four bolts
-            draw.ellipse((bx - 3, by - 3, bx + 3, by + 3), fill=(60, 60, 60))
-        if rng.random() < p_defect:
-            cx, cy, r = rng.randint(16, 40), rng.randint(16, 40), rng.randint(6, 9)
-            draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
-            defective.append(k + 1)
-        images.append(image)
-    if defective:
-        label, reason = "不通过", f"理由: 图片{defective[0]}有缺陷"
-    else:
-        label, reason = "通过", "理由: 无缺陷"
-    return {
-        "id": f"inspection-{index}",
-        "images": images,
-        "prompt": INSPECTION_PROMPT,
-        "label": label,
-        "answer": f"{label}\n{reason}",
     }
 
 
@@ -121,7 +89,7 @@ def _zoom_palette() -> list[int]:
     rng = random.Random("inspection-zoom palette")  # fixed: the same shades in every sample and split
     shades = [(200, 200, 205)] * 64 + [(70, 75, 90)] * 64
     jittered = [min(255, max(0, v + rng.randint(-35, 35))) for shade in shades for v in shade]
-    return [*jittered, *COLOURS["red"]]
+    return [*jittered, *data.COLOURS["red"]]
 
 
 def _inspection_zoom_sample(rng: random.Random, index: int) -> dict:
@@ -155,7 +123,7 @@ def _summaries_sample(rng: random.Random, index: int) -> dict:
     This is the second stage of a "summaries first, verdict second" pipeline, where another model has
     already described every photo; the same verdict rule and answer format apply.
     """
-    sample = _inspection_sample(rng, index)
+    sample = data.inspection_sample(rng, index)
 
     # A red defect mark is the only saturated red in a photo, so the summary is read off the pixels.
     def red_mark(image: Image.Image) -> bool:  # getcolors: each (r, g, b) of the photo once, with its count
@@ -169,7 +137,7 @@ def _summaries_sample(rng: random.Random, index: int) -> dict:
 
 def make_task(name: str, n: int, *, split: str = "train", seed: int = 0) -> list[dict]:
     """`n` samples of a built-in task; `split='test'` draws from a disjoint seed stream (held-out)."""
-    makers = {"shapes": _shapes_sample, "inspection": _inspection_sample, "summaries": _summaries_sample}
+    makers = {"shapes": _shapes_sample, "inspection": data.inspection_sample, "summaries": _summaries_sample}
     makers["inspection-zoom"] = _inspection_zoom_sample
     if name not in makers:
         raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(makers)}")

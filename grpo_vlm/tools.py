@@ -52,7 +52,7 @@ from PIL import Image
 
 import data
 import rewards
-from grpo_vlm import grounding
+from grpo_vlm import dataset, grounding
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # each ONE token in Qwen tokenizers
 ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")
@@ -138,7 +138,7 @@ def zoom(arguments: dict, sample: dict, *, frame: str | None = None, image_proce
     w, h = image.size
     sizes = dict(original_size=(w, h))
     if frame == "absolute":
-        sizes["resized_size"] = data.resized_size(image_processor, (w, h))
+        sizes["resized_size"] = dataset.resized_size(image_processor, (w, h))
     # The box must lie inside the frame's extent of the image: (w, h) pixels, (w', h') or 1000 x 1000.
     extent = (w, h) if frame is None else grounding.to_model_frame((w, h), frame=frame, **sizes)
     if not (0 <= box[0] < box[2] <= extent[0] and 0 <= box[1] < box[3] <= extent[1]):

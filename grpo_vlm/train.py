@@ -47,7 +47,9 @@ import rewards
 from grpo_vlm import (
     checkpoints,
     cli,
+    dataset,
     distributed,
+    files,
     grounding,
     logs,
     memory,
@@ -135,8 +137,8 @@ class Args:
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
     """Seeds data order, sampling and LoRA initialisation."""
-    samples: data.DataConfig = dataclasses.field(default_factory=data.DataConfig)
-    """Samples and prompts (data.py, tasks.py)."""
+    samples: dataset.DataConfig = dataclasses.field(default_factory=dataset.DataConfig)
+    """Samples and prompts (dataset.py, data.py, tasks.py)."""
     sampling: grpo.SamplingConfig = dataclasses.field(default_factory=grpo.SamplingConfig)
     """Sampling (grpo.py)."""
     rewards: scoring.RewardConfig = dataclasses.field(default_factory=scoring.RewardConfig)
@@ -243,7 +245,8 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
 def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
     """The samples' chat text, tokens and image tensors, left-padded into one batch on the run's device."""
     options = dict(device=run.device, max_prompt_length=args.samples.max_prompt_length)
-    return data.prepare_prompts(samples, run.tokenizer, run.image_processor, **options)
+    loader = dataset.image_loader(run.image_processor)  # large files decoded once, shrunk to the budget
+    return data.prepare_prompts(samples, run.tokenizer, run.image_processor, loader=loader, **options)
 
 
 @torch.no_grad()
@@ -257,7 +260,7 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     mask, truncated = grpo.completion_mask(completion_ids, ends)  # (N, T), (N,)
     texts = data.decode_completions(run.tokenizer, completion_ids, mask, ends)
     if run.box_frame:  # the image's frame, for rewards that read coordinates (grounding.py)
-        prompts = data.with_grounding(prompts, batch, run.box_frame)
+        prompts = dataset.with_grounding(prompts, run.image_processor, run.box_frame)
     samples = [s for s in prompts for _ in range(G)]
     lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
     scores = scoring.score(texts, samples, run.reward_fns, completion_lengths=lengths, timeout=timeout)
@@ -280,7 +283,7 @@ def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
     each row with its tools' images."""
     batch = prompt_batch(run, prompts, args)
     run.model.eval()
-    prompts = data.with_grounding(prompts, batch, run.box_frame)
+    prompts = dataset.with_grounding(prompts, run.image_processor, run.box_frame)
     options = dict(group_size=args.group_size, sampling=run.sampling)
     turns = multiturn.sample(run.model, batch, prompts, run.tools, **options)
     lengths = turns.mask.sum(1).tolist()  # the model's tokens
@@ -593,7 +596,7 @@ def fit_memory(
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
-    train_samples, held_out = data.load_samples(args.samples, seed=args.seed)
+    train_samples, held_out = dataset.load_samples(args.samples, seed=args.seed)
     too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
     cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
     reward_fns = resolve_rewards(args, None if args.samples.data else args.samples.task)
@@ -604,13 +607,13 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     options = dict(device=device, dtype=dtype, attn_implementation=args.attn_implementation)
     model, tokenizer, image_processor = model_io.load_model(args.model, **options)
     config = args.samples
-    data.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
+    dataset.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
         frame = args.rewards.box_frame
         box_frame = grounding.resolve_frame(frame, model.config.model_type, image_processor, names)
     length = dict(max_prompt_length=config.max_prompt_length, max_image_pixels=config.max_image_pixels)
-    resized = data.check_samples(train_samples + held_out, tokenizer, image_processor, **length)
-    message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
+    resized = dataset.check_samples(train_samples + held_out, tokenizer, image_processor, **length)
+    message = dataset.describe_resizes(resized, dataset.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     lora.inject_lora(model, args.lora)
@@ -618,7 +621,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
-    ablated = data.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
+    ablated = dataset.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -678,7 +681,9 @@ def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: A
     optimizer, scheduler = run.optimizer.state_dict(), run.scheduler.state_dict()
     settings = dataclasses.asdict(args)
     state = dict(step=step, beta=beta, run_id=run_id, optimizer=optimizer, scheduler=scheduler, args=settings)
-    adapter = functools.partial(model_io.save_adapter, run.model, base_model_name_or_path=args.model)
+    adapter = functools.partial(
+        model_io.save_adapter, run.model, base_model_name_or_path=args.model, write=files.atomic_write
+    )
     with checkpoints.writing(directory.parent, directory):
         checkpoints.save_checkpoint(
             directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
@@ -792,7 +797,7 @@ def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float
     for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
         chunk = samples[i : i + EVAL_BATCH_SIZE]
         batch = prompt_batch(run, chunk, args)
-        chunk = data.with_grounding(chunk, batch, run.box_frame)
+        chunk = dataset.with_grounding(chunk, run.image_processor, run.box_frame)
         if run.tools is None:
             ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
             mask, _ = grpo.completion_mask(ids, ends)
@@ -817,7 +822,9 @@ def print_if(condition: bool, *values) -> None:  # on the writing rank only, not
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     print()  # the final adapter, the curves and the summary (rank 0)
     with checkpoints.writing(out, out / "adapter"):
-        model_io.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
+        model_io.save_adapter(
+            run.model, out / "adapter", base_model_name_or_path=args.model, write=files.atomic_write
+        )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     with checkpoints.writing(out, out / "curves.png"):
         logs.plot_curves(records, out / "curves.png")

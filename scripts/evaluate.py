@@ -31,7 +31,7 @@ pass@k, mean total reward and mean of each component, format-valid fraction (sha
 format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
 
 --image-ablation blank|shuffle evaluates the same samples again with every image replaced by a grey one of
-the same size, or with the images permuted across samples (data.ablate_images), and reports those columns
+the same size, or with the images permuted across samples (dataset.ablate_images), and reports those columns
 beside the real-image ones: a policy that scores as well without its images answers from the text prior.
 
 --compare evaluates the base model (adapters switched off with lora.adapters_disabled, which is the base
@@ -72,7 +72,7 @@ import grpo
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, distributed, grounding, multiturn, scoring, speedups, tasks, tools
+from grpo_vlm import cli, dataset, distributed, grounding, multiturn, scoring, speedups, tasks, tools
 from scripts import outputs
 
 
@@ -151,7 +151,7 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     if not args.data:
         samples = tasks.make_task(args.task, args.eval_size, split="test", seed=args.seed)
         samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
-        return data.apply_prompt_template(samples, template), args.task
+        return dataset.apply_prompt_template(samples, template), args.task
     samples, seen = [], {}
     for path in args.data:
         for s in data.read_jsonl(path):
@@ -162,7 +162,7 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
                 raise ValueError(f"{s['_where']}: id {s['_id']!r} already used at {seen[key]}")
             seen[key] = s["_where"]
             samples.append(s)
-    return data.apply_prompt_template(samples, template), None
+    return dataset.apply_prompt_template(samples, template), None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def generate(
     model, tokenizer, image_processor, samples: list[dict], args: Args, device, frame: str | None, use=None
 ) -> list[dict]:
     """Per sample, its k completions: `texts`, `lengths` (tokens, EOS included) and `truncated` flags, and
-    the `sample` with its image frame for the grounding rewards (data.with_grounding). With tools (`use`, a
+    the `sample` with its image frame for the grounding rewards (dataset.with_grounding). With tools (`use`, a
     multiturn.ToolUse): multi-turn completions, their final answers as `texts`, the model's tokens as
     `lengths`, and each completion's own `samples` (its trajectory and calls) and `turns`."""
     k = args.num_samples
@@ -187,10 +187,15 @@ def generate(
         top_p=1.0 if greedy else args.top_p,
     )
     batch = data.prepare_prompts(
-        samples, tokenizer, image_processor, device=device, max_prompt_length=args.max_prompt_length
+        samples,
+        tokenizer,
+        image_processor,
+        device=device,
+        max_prompt_length=args.max_prompt_length,
+        loader=dataset.image_loader(image_processor),
     )
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
-    samples = data.with_grounding(samples, batch, frame)
+    samples = dataset.with_grounding(samples, image_processor, frame)
     if use is not None:  # multi-turn, turn by turn (multiturn.py); rows b*k .. b*k+k-1 are sample b's
         turns = multiturn.sample(model, batch, samples, use, group_size=k, sampling=options)
         lengths, truncated = turns.mask.sum(1).tolist(), turns.truncated.tolist()
@@ -442,7 +447,7 @@ def load_model(args: Args, device: torch.device):
     with cli.user_errors("--model: "):
         model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors():
-        data.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
+        dataset.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
             model_io.load_adapter(model, args.adapter)
@@ -472,7 +477,7 @@ def evaluate(args: Args) -> dict[str, dict]:
             args.rewards.box_frame, model.config.model_type, image_processor, names
         )
     with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
-        data.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
+        dataset.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
     use = None
     if args.tools.max_tool_calls:  # multi-turn completions with tool calls, as train.py samples them
         suppressed = data.suppressed_tokens(
@@ -491,7 +496,7 @@ def evaluate(args: Args) -> dict[str, dict]:
         with cli.user_errors(), cli.writing(path.with_suffix(".settings.json")):
             outputs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
         with cli.user_errors():
-            ablated = data.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
+            ablated = dataset.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:

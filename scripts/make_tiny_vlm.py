@@ -56,7 +56,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data
 import rewards
-from grpo_vlm import cli, grounding, tasks, tools
+from grpo_vlm import cli, dataset, grounding, tasks, tools
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",  # pad
@@ -438,7 +438,7 @@ def warm_start_with_tools(model, tokenizer, image_processor, args: Args) -> tupl
 
     def batch(step: int) -> tuple[dict, torch.Tensor]:
         samples = tasks.make_task("inspection-zoom", args.batch_size, seed=args.seed * 1_000_000 + step)
-        size = data.resized_size(image_processor, samples[0]["images"][0].size)  # one photo size for all
+        size = dataset.resized_size(image_processor, samples[0]["images"][0].size)  # one photo size for all
         kinds = [(rng.random() < args.crop_share, rng.random() < args.tool_share) for _ in samples]
         samples = [
             crop_only(s) if crop else with_tool_turn(s, zoom_call(s, *size), image_processor) if c else s

@@ -85,7 +85,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import cli, distributed, speedups
+from grpo_vlm import cli, dataset, distributed, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
@@ -414,11 +414,11 @@ def check_photos(groups: list[Group], skipped: list[dict], skip: bool) -> tuple[
 
 
 def describe_resizes(sizes: list[tuple[int, int]], image_processor) -> str | None:
-    """data.describe_resizes of the photos the image processor will shrink to its pixel budget."""
-    budget = data.image_pixel_budget(image_processor)
+    """dataset.describe_resizes of the photos the image processor will shrink to its pixel budget."""
+    budget = dataset.image_pixel_budget(image_processor)
     oversized = [(w, h) for w, h in sizes if budget is not None and w * h > budget]
     largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
-    return data.describe_resizes(data.ResizeReport(count=len(oversized), largest=largest), budget)
+    return dataset.describe_resizes(dataset.ResizeReport(count=len(oversized), largest=largest), budget)
 
 
 def load_model(args: Args, device: torch.device):
@@ -442,7 +442,9 @@ def summarise_photos(
 ) -> list[tuple[str, bool]]:
     """(summary on one line, truncated) of each photo, asked about with that photo alone in its prompt."""
     samples = [{"images": [str(p)], "prompt": prompt, "_where": f"group {g.id!r}"} for g, p in photos]
-    batch = data.prepare_prompts(samples, tokenizer, image_processor, device=device)
+    batch = data.prepare_prompts(
+        samples, tokenizer, image_processor, device=device, loader=dataset.image_loader(image_processor)
+    )
     options = data.sampling_options(
         tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )

@@ -64,7 +64,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, distributed, logs
+from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs
 from scripts import mock_rollouts, outputs
 
 
@@ -194,7 +194,7 @@ def read_scored(path: str) -> list[dict]:
             raise ValueError(f"{where}: {G} completions but {len(scores)} scores (must be equal)")
         if G < 2:
             raise ValueError(f"{where}: a group needs G >= 2 completions for a baseline, got {G}")
-    return samples
+    return dataset.apply_prompt_template(samples, None)  # per-image `summaries`, if any, into the prompt
 
 
 def split_validation(samples: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -378,14 +378,17 @@ def load_inputs(args: Args):
     with cli.user_errors("--lora-last-k: "):
         lora.inject_lora(model, args.lora)
     with cli.user_errors():  # every image decodes and every prompt and completion fits, before any forward
-        data.check_samples(train + val, tokenizer, processor, max_prompt_length=args.max_prompt_length)
+        dataset.check_samples(train + val, tokenizer, processor, max_prompt_length=args.max_prompt_length)
         batches, val_batches = make_batches(train, tokenizer, args), make_batches(val, tokenizer, args)
     print(f"{len(train)} training and {len(val)} validation groups; {len(batches)} batches")
 
     def logprobs_of(b: ScoredBatch, return_entropy: bool = False):
         """logp [and entropy] (N, T) of b's completions at temperature 1; prompt b in rows b*G .. b*G+G-1."""
         P = args.max_prompt_length
-        prompts = data.prepare_prompts(b.samples, tokenizer, processor, device=device, max_prompt_length=P)
+        loader = dataset.image_loader(processor)
+        prompts = data.prepare_prompts(
+            b.samples, tokenizer, processor, device=device, max_prompt_length=P, loader=loader
+        )
         inputs, ids = data.repeat_rows(prompts, b.group_size).inputs, b.completion_ids.to(device)
         return grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=return_entropy)
 
@@ -400,7 +403,9 @@ def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_bat
     record["best"] = is_better(args.best_by, record[key], best)
     state = {"epoch": record["epoch"], "metrics": record, "optimizer": optimizer.state_dict()}
     state["args"] = dataclasses.asdict(args)
-    adapter = functools.partial(model_io.save_adapter, model, base_model_name_or_path=args.model)
+    adapter = functools.partial(
+        model_io.save_adapter, model, base_model_name_or_path=args.model, write=files.atomic_write
+    )
     save = functools.partial(checkpoints.save_checkpoint, write_adapter=adapter, state=state)
     with cli.writing(out):  # a full disk or a vanished folder: one line, status 74
         save(out / f"checkpoint-{record['epoch']:06d}", keep_last=args.keep_last)
@@ -448,7 +453,9 @@ def train(args: Args) -> dict:
         record = train_epoch(model, batches, logprobs_of, opt, sched, args, epoch)
         end_epoch(model, opt, records, record, args, val_batches, logprobs_of)
     with cli.writing(out):
-        model_io.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
+        model_io.save_adapter(
+            model, out / "adapter", base_model_name_or_path=args.model, write=files.atomic_write
+        )
     summary = {"epochs": records[-1]["epoch"], "wall_time_s": round(time.time() - t_start, 1)}
     if best := [r["epoch"] for r in records if r.get("best")]:
         summary["best_epoch"] = best[-1]

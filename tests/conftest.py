@@ -39,6 +39,7 @@ from transformers import (
 
 import lora
 import model_io
+from grpo_vlm import files
 
 torch.set_num_threads(1)
 # Child processes (`python -m grpo_vlm`, the scripts) find the reference modules and the package wherever
@@ -181,17 +182,16 @@ def make_random_causal_lm(seed: int = 0, num_layers: int = 4) -> Qwen2ForCausalL
 
 
 def save_random_checkpoint(family: str, directory: Path, **text_config) -> Path:
-    """A tiny random model of `family` saved as `from_pretrained` reads it (model_io.save_model), with the
+    """A tiny random model of `family` saved as `from_pretrained` reads it (files.save_model), with the
     embedded tiny model's tokenizer and, for a VLM, its image processor: what `train.Args(model=...)` takes.
     """
-    import model_io
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
     model = make_random_model(
         family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **text_config
     )
     image_processor = AutoImageProcessor.from_pretrained(TINY_CHECKPOINT) if family in VLM_FAMILIES else None
-    model_io.save_model(model, tokenizer, image_processor, directory)
+    files.save_model(model, tokenizer, image_processor, directory)
     return Path(directory)
 
 

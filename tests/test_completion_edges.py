@@ -14,7 +14,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import grounding, speedups, tasks, train
+from grpo_vlm import dataset, grounding, speedups, tasks, train
 from scripts import evaluate
 
 GROUNDING = list(data.GROUNDING_TOKENS)
@@ -122,22 +122,25 @@ def test_decoding_keeps_the_grounding_markers_and_drops_the_end_of_turn(groundin
 
 
 # --- the image budget ---------------------------------------------------------------------------------------
+def seen_sizes(batch, processor) -> list[list[int]]:
+    """(w, h) of each image as the model sees it: image_grid_thw (t, h, w) in patches, times patch_size."""
+    return (batch.inputs["image_grid_thw"][:, 1:].flip(-1) * processor.patch_size).tolist()
 
 
 def test_max_pixels_shrinks_the_resize_and_the_prompt_length_check_uses_it(tokenizer):
     processor = AutoImageProcessor.from_pretrained(model_io.DEFAULT_MODEL)
     sample = {"id": "big", "prompt": "look", "images": [Image.new("RGB", (333, 517), "white")]}
     before = data.prepare_prompts([sample], tokenizer, processor, device="cpu")
-    assert before.image_sizes == [(333, 517)] and before.resized_sizes == [(84, 112)]  # 12 x 16 patches of 7
+    assert seen_sizes(before, processor) == [[84, 112]]  # 12 x 16 patches of 7
     limit = before.prompt_length - 1
     with pytest.raises(ValueError):
-        data.check_samples([sample], tokenizer, processor, max_prompt_length=limit)
-    data.set_pixel_budget(processor, None, 4 * 28 * 28)
+        dataset.check_samples([sample], tokenizer, processor, max_prompt_length=limit)
+    dataset.set_pixel_budget(processor, None, 4 * 28 * 28)
     after = data.prepare_prompts([sample], tokenizer, processor, device="cpu")
-    assert after.resized_sizes == [(28, 56)] and after.prompt_length < limit
-    data.check_samples([sample], tokenizer, processor, max_prompt_length=limit)  # fits now
+    assert seen_sizes(after, processor) == [[28, 56]] and after.prompt_length < limit
+    dataset.check_samples([sample], tokenizer, processor, max_prompt_length=limit)  # fits now
     with pytest.raises(ValueError, match="--min-pixels/--max-pixels"):
-        data.set_pixel_budget(processor, 10_000, 5_000)
+        dataset.set_pixel_budget(processor, 10_000, 5_000)
 
 
 # --- does the policy look at the images? --------------------------------------------------------------------
@@ -145,11 +148,11 @@ def test_max_pixels_shrinks_the_resize_and_the_prompt_length_check_uses_it(token
 
 def test_image_ablation_blanks_each_image_at_its_size_or_moves_every_image_to_another_slot():
     samples = tasks.make_task("inspection", 6, split="test", seed=0)
-    blank = data.ablate_images(samples, "blank")
+    blank = dataset.ablate_images(samples, "blank")
     for real, ablated in zip(samples, blank):
         assert [im.size for im in ablated["images"]] == [im.size for im in real["images"]]
         assert all(im.getextrema() == ((128, 128),) * 3 for im in ablated["images"])
-    shuffled = data.ablate_images(samples, "shuffle", seed=1)
+    shuffled = dataset.ablate_images(samples, "shuffle", seed=1)
     real_slots = [id(im) for s in samples for im in s["images"]]
     new_slots = [id(im) for s in shuffled for im in s["images"]]
     assert sorted(real_slots) == sorted(new_slots)  # the same images, each sample keeps its count
@@ -198,7 +201,8 @@ def test_the_resized_frame_reaches_the_reward_so_a_box_in_resized_pixels_scores_
         "bbox": [40, 90, 210, 400],
     }
     batch = data.prepare_prompts([sample], tokenizer, processor, device="cpu")
-    (grounded,) = data.with_grounding([sample], batch, "absolute")
+    (grounded,) = dataset.with_grounding([sample], processor, "absolute")
+    assert seen_sizes(batch, processor) == [grounded["grounding"]["resized_size"]]  # the frame it saw
     assert grounded["grounding"] == {
         "frame": "absolute",
         "original_size": [333, 517],
@@ -209,7 +213,7 @@ def test_the_resized_frame_reaches_the_reward_so_a_box_in_resized_pixels_scores_
     completion = json.dumps({"bbox_2d": written})
     iou = rewards.Reward("iou", grounding.iou_reward)
     assert rewards.score([completion], [grounded], [iou]).total[0] == pytest.approx(1.0)
-    assert data.with_grounding([sample], batch, None) == [sample]  # text-only models: unchanged
+    assert dataset.with_grounding([sample], processor, None) == [sample]  # text-only models: unchanged
 
 
 def test_box_frame_auto_reads_the_model_family_and_goes_only_to_rewards_that_read_coordinates():

@@ -20,7 +20,7 @@ from PIL import Image
 import data
 import grpo
 import model_io
-from grpo_vlm import tasks
+from grpo_vlm import dataset, tasks
 
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl"
 INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -268,13 +268,13 @@ def test_prompt_longer_than_max_prompt_length_raises_naming_the_sample(tiny):
 
 def test_check_samples_counts_the_images_the_processor_shrinks_and_names_the_largest(tiny):
     _, tok, ip = tiny
-    budget = data.image_pixel_budget(ip)
+    budget = dataset.image_pixel_budget(ip)
     assert budget == 112 * 112  # the tiny asset's budget, small enough for small test images
     sizes = [(56, 56), (112, 112), (113, 112), (300, 200), (150, 150)]
     samples = [
         {"id": f"s{i}", "images": [solid(w, h, (9, 9, 9))], "prompt": "p"} for i, (w, h) in enumerate(sizes)
     ]
-    report = data.check_samples(samples, tok, ip, max_prompt_length=None)
+    report = dataset.check_samples(samples, tok, ip, max_prompt_length=None)
     assert (report.count, report.largest) == (3, (300, 200))  # at the budget exactly is no resize
     # Independent reference: the processor's own output covers fewer pixels exactly for the counted ones.
     batch = data.prepare_prompts(samples, tok, ip, device="cpu")
@@ -284,31 +284,31 @@ def test_check_samples_counts_the_images_the_processor_shrinks_and_names_the_lar
     assert [k < w * h for k, (w, h) in zip(kept, sizes)] == [False, False, True, True, True]
     # The prompt-length bound still counts the resized images' tokens exactly.
     P = data.prepare_prompts(samples[3:4], tok, ip, device="cpu").prompt_length
-    data.check_samples(samples[3:4], tok, ip, max_prompt_length=P)
+    dataset.check_samples(samples[3:4], tok, ip, max_prompt_length=P)
     with pytest.raises(ValueError, match=rf"sample s3: prompt is {P} tokens"):
-        data.check_samples(samples[3:4], tok, ip, max_prompt_length=P - 1)
+        dataset.check_samples(samples[3:4], tok, ip, max_prompt_length=P - 1)
 
 
 def test_the_budget_reported_is_the_one_the_processor_resizes_by(tiny):
     _, tok, ip = tiny
     small = copy.deepcopy(ip)
     small.size["longest_edge"] = 56 * 56
-    assert data.image_pixel_budget(small) == 56 * 56
+    assert dataset.image_pixel_budget(small) == 56 * 56
     sample = {"id": "a", "images": [solid(112, 112, (9, 9, 9))], "prompt": "p"}
-    assert data.check_samples([sample], tok, ip, max_prompt_length=None).count == 0
-    assert data.check_samples([sample], tok, small, max_prompt_length=None).count == 1
+    assert dataset.check_samples([sample], tok, ip, max_prompt_length=None).count == 0
+    assert dataset.check_samples([sample], tok, small, max_prompt_length=None).count == 1
     (grid,) = data.prepare_prompts([sample], tok, small, device="cpu").inputs["image_grid_thw"].tolist()
     assert grid[1] * grid[2] * small.patch_size**2 <= 56 * 56  # what the processor really did
 
 
 def test_describe_resizes_says_how_many_images_shrink_and_the_largest():
     budget = 12_845_056  # Qwen2.5-VL's default max_pixels
-    assert data.describe_resizes(data.ResizeReport(count=0, largest=None), budget) is None
-    assert data.describe_resizes(data.ResizeReport(count=3, largest=(6000, 6000)), budget) == (
+    assert dataset.describe_resizes(dataset.ResizeReport(count=0, largest=None), budget) is None
+    assert dataset.describe_resizes(dataset.ResizeReport(count=3, largest=(6000, 6000)), budget) == (
         "3 images are larger than the image processor's budget (12,845,056 pixels) and are resized down "
         "to fit it; the largest is 6000x6000"
     )
-    assert data.describe_resizes(data.ResizeReport(count=1, largest=(4000, 3500)), budget) == (
+    assert dataset.describe_resizes(dataset.ResizeReport(count=1, largest=(4000, 3500)), budget) == (
         "1 image is larger than the image processor's budget (12,845,056 pixels) and is resized down to fit "
         "it: 4000x3500"
     )

@@ -30,7 +30,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, distributed, speedups, tasks, train
+from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
@@ -233,7 +233,7 @@ def held_out_evaluation(rank: int, world_size: int) -> dict:
         reward_fns=reward_fns,
         accuracy_name=reward_fns[0].name,
         held_out=held_out,
-        held_out_ablated=data.ablate_images(held_out, "blank", seed=0),
+        held_out_ablated=dataset.ablate_images(held_out, "blank", seed=0),
         rank=rank,
         world=world_size,
     )

@@ -20,7 +20,7 @@ import data
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, scoring, train
+from grpo_vlm import cli, dataset, scoring, train
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILTINS = scoring.BUILTIN_REWARDS
@@ -227,15 +227,20 @@ def test_an_image_above_the_pixel_budget_is_decoded_once_shrunk_with_exactly_the
     path = tmp_path / "big.png"
     Image.fromarray(pixels).convert(mode).save(path)
     full = processor(images=[data.load_image(Image.open(path), {})], return_tensors="pt")
-    data._shrunk.cache_clear()
-    shrunk = data.load_image(str(path), {}, processor)
+    dataset._shrunk.cache_clear()
+    shrunk = dataset.load_image(str(path), {}, processor)
     assert shrunk.size == (112, 84) and shrunk.info["original_size"] == (517, 333)  # 12,544-pixel budget
     assert torch.equal(processor(images=[shrunk], return_tensors="pt")["pixel_values"], full["pixel_values"])
-    batch = data.prepare_prompts(
-        [{"images": [str(path)], "prompt": "a"}], *_tokenizer_and(processor), device="cpu"
-    )
-    assert batch.image_sizes == [(517, 333)] and batch.resized_sizes == [(112, 84)]  # grounding's frames
-    assert data._shrunk.cache_info().misses == 1  # decoded once, then kept
+    sample = {"images": [str(path)], "prompt": "a"}
+    loader = dataset.image_loader(processor)
+    batch = data.prepare_prompts([sample], *_tokenizer_and(processor), device="cpu", loader=loader)
+    assert batch.inputs["image_grid_thw"][0, 1:].flip(-1).mul(processor.patch_size).tolist() == [112, 84]
+    (grounded,) = dataset.with_grounding([sample], processor, "absolute")  # grounding's frames
+    assert grounded["grounding"]["original_size"] == [517, 333] and grounded["grounding"]["resized_size"] == [
+        112,
+        84,
+    ]
+    assert dataset._shrunk.cache_info().misses == 1  # decoded once, then kept
 
 
 def _tokenizer_and(processor):
@@ -250,7 +255,7 @@ def test_a_jpeg_above_the_budget_is_decoded_at_a_reduced_scale_close_to_the_full
     path = tmp_path / "big.jpg"
     Image.fromarray(smooth).save(path, quality=95)
     full = processor(images=[data.load_image(Image.open(path), {})], return_tensors="pt")["pixel_values"]
-    shrunk = data.load_image(str(path), {}, processor)
+    shrunk = dataset.load_image(str(path), {}, processor)
     ours = processor(images=[shrunk], return_tensors="pt")["pixel_values"]
     assert ours.shape == full.shape and (ours - full).abs().mean() < 0.05
 
@@ -269,7 +274,7 @@ def test_an_image_above_max_image_pixels_is_refused_at_load_naming_file_line_and
 
 def test_max_image_pixels_is_bounded_by_pillows_decompression_bomb_limit():
     with pytest.raises(ValueError, match="--max-image-pixels: at most 178,956,970"):
-        data.DataConfig(max_image_pixels=10**9).check()
+        dataset.DataConfig(max_image_pixels=10**9).check()
 
 
 # --- malformed adapters ---

@@ -23,7 +23,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, tasks
+from grpo_vlm import checkpoints, files, tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = ROOT / "assets" / "tiny-qwen2.5-vl"
@@ -148,7 +148,7 @@ def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_
     assert not torch.allclose(logits, full_logits(base, inputs, tokens), atol=1e-3)  # the adapter matters
 
     lora.unload_lora(model)
-    model_io.save_model(model, tok, ip, tmp_path / "merged")
+    files.save_model(model, tok, ip, tmp_path / "merged")
     reloaded, tok2, ip2 = model_io.load_model(str(tmp_path / "merged"), device="cpu", dtype=torch.float32)
     assert type(reloaded) is Qwen2_5_VLForConditionalGeneration and ip2 is not None
     assert not any("lora" in k or "base_layer" in k for k in reloaded.state_dict())
@@ -310,13 +310,14 @@ def test_project_modules_import_in_one_direction():
         "model_io": None,
         "checkpoints": {"torch", "numpy"},
     }
-    # The project modules each may import: a speed-up re-arranges grpo.py (never the reverse); data builds
-    # the built-in tasks' samples (tasks.py never reads data.py); model_io writes lora.py's adapters to files;
-    # checkpoints writes through model_io's whole-file writes and holds the run folder's lock (cli.hold_lock);
-    # train wires all.
-    allowed_project = {"speedups": {"grpo", "lora"}, "data": {"tasks"}, "model_io": {"lora"}}
-    allowed_project["checkpoints"] = {"model_io", "cli"}
-    allowed_project["tools"] = {"data", "grounding", "rewards"}  # zoom's frames and resize; rewards' plug-ins
+    # The project modules each may import: a speed-up re-arranges grpo.py (never the reverse); data.py imports
+    # no project module (tasks.py draws the inspection task from it); model_io writes lora.py's adapters to
+    # files; checkpoints writes through files.py's whole-file writes, reads through model_io's regular_file
+    # and holds the run folder's lock (cli.hold_lock); train wires all.
+    allowed_project = {"speedups": {"grpo", "lora"}, "model_io": {"lora"}, "tasks": {"data"}}
+    allowed_project["checkpoints"] = {"model_io", "files", "cli"}
+    allowed_project["dataset"] = {"data", "tasks"}
+    allowed_project["tools"] = {"data", "dataset", "grounding", "rewards"}  # zoom's frames; rewards' plug-ins
     allowed_project["multiturn"] = {"data", "grounding", "grpo", "tools"}  # prompts, sampler, frames, calls
     for name in sorted(project - {"train"}):
         imports = imported_modules(ROOT / f"{name}.py")

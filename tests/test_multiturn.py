@@ -32,7 +32,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, distributed, multiturn, speedups, tasks, tools, train
+from grpo_vlm import cli, distributed, files, multiturn, speedups, tasks, tools, train
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,7 +344,7 @@ def save_tools_checkpoint(directory: Path) -> Path:
         head = model.get_output_embeddings().weight
         for tag in (tools.TOOL_CALL_START, tools.TOOL_CALL_END):
             head[tokenizer.convert_tokens_to_ids(tag)] = head[tokenizer.eos_token_id]
-    model_io.save_model(model, tokenizer, image_processor, directory)
+    files.save_model(model, tokenizer, image_processor, directory)
     return directory
 
 

@@ -108,9 +108,8 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadabl
     script = f"""
 import os, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-import model_io
-from grpo_vlm import checkpoints, train
-real_write, calls = model_io.write_file, []
+from grpo_vlm import checkpoints, files, train
+real_write, calls = files.write_file, []
 def dying_write(path, content, **kwargs):
     calls.extend([path] if path.name == checkpoints.STATE_FILE else [])
     if len(calls) == 2:
@@ -118,7 +117,7 @@ def dying_write(path, content, **kwargs):
             f.write(content[: len(content) // 2])
         os._exit(9)
     return real_write(path, content, **kwargs)
-model_io.write_file = dying_write
+files.write_file = dying_write
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from conftest import train_args
 train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))

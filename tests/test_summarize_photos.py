@@ -24,7 +24,7 @@ from grpo_vlm import cli, tasks, train
 from scripts import summarize_photos as sp
 
 ROOT = Path(__file__).resolve().parents[1]
-COLOURS = list(tasks.COLOURS.values())
+COLOURS = list(data.COLOURS.values())
 
 # Created in this (scrambled) order; a plain sort would put img10-img12 before IMG2 and upper case first.
 NATURAL_ORDER = [

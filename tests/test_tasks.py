@@ -9,7 +9,7 @@ from transformers import AutoImageProcessor
 
 import data
 import rewards
-from grpo_vlm import tasks, tools
+from grpo_vlm import dataset, tasks, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 
@@ -25,6 +25,12 @@ def test_builtin_tasks_are_deterministic_per_seed_and_splits_differ(task):
     assert train != fingerprint(tasks.make_task(task, 30, seed=6))
     test = fingerprint(tasks.make_task(task, 30, split="test", seed=5))
     assert [t[2:] for t in train] != [t[2:] for t in test]  # ids repeat, contents must not
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_the_package_draws_the_same_inspection_samples_as_the_reference(split):
+    ours = fingerprint(tasks.make_task("inspection", 40, split=split, seed=3))
+    assert ours == fingerprint(data.inspection_samples(40, split=split, seed=3))
 
 
 def test_inspection_labels_are_balanced_and_reference_answers_are_well_formed():
@@ -49,10 +55,10 @@ def test_inspection_zoom_mark_vanishes_in_the_resized_photo_but_is_clear_in_a_cr
     resized, cropped = {True: [], False: []}, {True: []}
     for s in samples:
         photo = s["images"][0]
-        seen = photo.convert("RGB").resize(data.resized_size(processor, photo.size), processor.resample)
+        seen = photo.convert("RGB").resize(dataset.resized_size(processor, photo.size), processor.resample)
         resized[s["mark_box"] is not None].append(redness(seen).max())
         crop = tools.zoom({"image": 0, "bbox_2d": s["zoom_box"]}, s)  # original pixels: the panel
-        seen_crop = crop.resize(data.resized_size(processor, crop.size), processor.resample)
+        seen_crop = crop.resize(dataset.resized_size(processor, crop.size), processor.resample)
         if s["mark_box"]:
             cropped[True].append(redness(seen_crop).max())
     figures = {k: round(float(np.mean(v))) for k, v in {**resized, "crop": cropped[True]}.items()}

@@ -11,9 +11,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-import data
 import rewards
-from grpo_vlm import grounding, scoring, tools
+from grpo_vlm import dataset, grounding, scoring, tools
 
 TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
 
@@ -51,7 +50,7 @@ def test_zoom_crops_the_same_original_pixels_from_a_box_written_in_each_frame(
     image, image_processor = noise(size), processors.get(processor)
     written = box
     if frame is not None:
-        resized = data.resized_size(image_processor, size) if frame == "absolute" else None
+        resized = dataset.resized_size(image_processor, size) if frame == "absolute" else None
         written = grounding.to_model_frame(box, frame=frame, original_size=size, resized_size=resized)
     result = tools.run_call(
         call(image=0, bbox_2d=list(written)),
@@ -69,7 +68,7 @@ def test_zoom_crops_the_same_original_pixels_from_a_box_written_in_each_frame(
 def test_zoom_with_integer_coordinates_covers_the_box_they_round():
     # A model writes integers: the crop keeps every original pixel the rounded box touches.
     image, processor = noise((333, 517)), AutoImageProcessor.from_pretrained(TINY_CHECKPOINT)
-    resized = data.resized_size(processor, image.size)  # (56, 84): about 6 original pixels a unit
+    resized = dataset.resized_size(processor, image.size)  # (56, 84): about 6 original pixels a unit
     written = [
         round(v)
         for v in grounding.to_model_frame(

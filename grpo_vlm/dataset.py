@@ -1,0 +1,314 @@
+"""The full trainer's data: several datasets, summaries templates, pixel budgets, large images, ablations.
+
+data.py holds what GRPO needs (JSONL samples, prompts, rows, decoding, the built-in inspection task); this
+module extends it for `python -m grpo_vlm` and the scripts: `DataConfig` (the data flags) and `load_samples`
+(JSONL files or any built-in task of tasks.py), per-image text `summaries` rendered into the prompt at load
+time, image ablation (blank or shuffled images), the processor's pixel budget (`--min-pixels`,
+`--max-pixels`, images above `--max-image-pixels` refused), every sample checked before any model work, and
+the grounding fields a reward reads.
+
+Choices:
+- Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
+  (`describe_resizes` says so), and decoded once at that size, not in full at every step (`_shrunk`;
+  `data.prepare_prompts(..., loader=image_loader(image_processor))`); files above `max_image_pixels` (a PNG
+  decodes in full before it can shrink) are refused when they load.
+- Summaries are rendered once, when the samples load (`apply_prompt_template`), so that every later step
+  sees plain `prompt` samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+import data
+from grpo_vlm import tasks
+
+
+# --- The data flags and the samples they name ---------------------------------------------------------------
+@dataclass
+class DataConfig:
+    """Where the samples come from and how their prompts are prepared. Field names are train.py's flags."""
+
+    data: tuple[str, ...] = ()
+    """Training JSONL file(s). Empty: the built-in task `--task`."""
+    eval_data: str | None = None
+    """Held-out JSONL file. Default: the built-in task's held-out split (or none for --data)."""
+    task: Literal["inspection", "shapes", "summaries", "inspection-zoom"] = "inspection"
+    """Built-in synthetic task used when --data is empty: inspection (1-4 photos -> 通过/不通过 + 理由),
+    shapes (one photo -> 'red circle'), summaries (the inspection verdict from per-photo text summaries),
+    inspection-zoom (one large photo whose small defect mark shows only in a crop: --tools zoom)."""
+    prompt_template: str | None = None
+    """Text file with {prompt}, {summaries}, {num_images} for samples that carry per-image `summaries` instead
+    of images (numbered 图片_1: ...). Default: prompt, newline, the numbered lines."""
+    train_size: int = 2000
+    """Number of built-in training samples."""
+    eval_size: int = 200
+    """Number of held-out samples evaluated (built-in task, or the first ones of --eval-data)."""
+    max_prompt_length: int = 4096
+    """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
+    min_pixels: int | None = None
+    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's processor's)."""
+    max_pixels: int | None = None
+    """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
+    max_image_pixels: int = 89_478_485
+    """Images with more pixels on disk are refused when the data loads (a PNG has to be decoded in full,
+    3 bytes a pixel, before it can be shrunk). Default: Pillow's own warning limit; at most twice that."""
+
+    def check(self) -> None:
+        """Each value's range and each file named, with the flag at fault first in the message."""
+        sizes = [("--max-prompt-length", self.max_prompt_length, 1), ("--train-size", self.train_size, 1)]
+        sizes += [("--max-image-pixels", self.max_image_pixels, 1)]
+        for flag, value, low in [*sizes, ("--eval-size", self.eval_size, 0)]:
+            if value < low:
+                raise ValueError(f"{flag}: must be >= {low}, got {value}")
+        if self.max_image_pixels > 2 * Image.MAX_IMAGE_PIXELS:  # Pillow refuses these as decompression bombs
+            raise ValueError(
+                f"--max-image-pixels: at most {2 * Image.MAX_IMAGE_PIXELS:,}, got {self.max_image_pixels}"
+            )
+        files = [("--data", path) for path in self.data] + [("--eval-data", self.eval_data)]
+        for flag, path in [*files, ("--prompt-template", self.prompt_template)]:
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag}: {path} does not exist (or is not a file)")
+
+
+def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template)."""
+    if config.data:
+        train = []
+        for path in config.data:
+            train += (loaded := data.read_jsonl(path))
+            print(f"loaded {len(loaded)} samples from {path}")
+        held_out = data.read_jsonl(config.eval_data)[: config.eval_size] if config.eval_data else []
+    else:
+        train = tasks.make_task(config.task, config.train_size, seed=seed)
+        held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
+    template = Path(config.prompt_template).read_text(encoding="utf-8") if config.prompt_template else None
+    return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
+
+
+# --- Image ablation: does the policy look at the images? ----------------------------------------------------
+IMAGE_ABLATIONS = ("blank", "shuffle")
+
+
+def ablate_images(samples: list[dict], mode: str, *, seed: int = 0) -> list[dict]:
+    """The samples without their images: "blank" greys each out at its size (same image tokens); "shuffle"
+    moves them between slots across samples, none in its own slot (though maybe in another of its sample)."""
+    if mode not in IMAGE_ABLATIONS:
+        raise ValueError(f"image ablation must be one of {IMAGE_ABLATIONS}, got {mode!r}")
+    images = [image for sample in samples for image in sample.get("images") or []]
+    if mode == "blank":
+        sizes = [image_size(im) if isinstance(im, str) else im.size for im in images]
+        replaced = [Image.new("RGB", size, (128, 128, 128)) for size in sizes]
+    else:
+        order = random.Random(seed).sample(range(len(images)), len(images))
+        # Slot order[j] takes the image of slot order[j - 1]: a cycle through every slot, no fixed point.
+        replaced = [images[source] for _, source in sorted(zip(order, order[-1:] + order[:-1]))]
+    taken = iter(replaced)
+    return [{**s, "images": [next(taken) for _ in s["images"]]} if s.get("images") else s for s in samples]
+
+
+# --- Summaries: per-image text rendered into the prompt -------------------------------------------------
+DEFAULT_SUMMARY_TEMPLATE = "{prompt}\n{summaries}"
+
+
+def render_summaries(sample: dict, template: str | None = None) -> str:
+    """The prompt of a sample with per-image text `summaries` instead of images: `template` (e.g. the text of
+    assets/summaries_template.txt) filled with {prompt}, {num_images} and {summaries}, lines `图片_1: …`."""
+    lines = "\n".join(f"图片_{i}: {text}" for i, text in enumerate(sample["summaries"], start=1))
+    fields = {"prompt": sample.get("prompt", ""), "summaries": lines, "num_images": len(sample["summaries"])}
+    try:
+        return (template or DEFAULT_SUMMARY_TEMPLATE).format_map(fields)
+    except KeyError as e:
+        raise ValueError(
+            f"{data.location(sample)}: prompt template has an unknown placeholder {e}; "
+            f"known: {', '.join(fields)}"
+        ) from e
+
+
+def apply_prompt_template(samples: list[dict], template: str | None) -> list[dict]:
+    """Render the prompt of every sample that carries `summaries` (once, at load time), dropping them."""
+    for sample in samples:
+        _check_summaries(sample)
+    rendered = [{**s, "prompt": render_summaries(s, template)} if "summaries" in s else s for s in samples]
+    return [{k: v for k, v in s.items() if k != "summaries"} for s in rendered]
+
+
+def _check_summaries(sample: dict) -> None:
+    summaries = sample.get("summaries")
+    strings = isinstance(summaries, list) and summaries and all(isinstance(t, str) for t in summaries)
+    where = data.location(sample)
+    if summaries is not None and not strings:
+        raise ValueError(f"{where}: field 'summaries' must be a non-empty list of strings (one per image)")
+    if summaries is not None and sample.get("images"):
+        raise ValueError(f"{where}: a sample carries either 'images' or their text 'summaries', not both")
+
+
+# --- Large images: decoded once at the size the processor resizes them to -----------------------------
+def _resize_rule(image_processor) -> tuple[int, int, int, int] | None:
+    """(factor, min_pixels, max_pixels) of Qwen-VL's `smart_resize` and the resampling filter, or None."""
+    if image_processor is None:
+        return None
+    size, factor = image_processor.size, image_processor.patch_size * image_processor.merge_size
+    return factor, size["shortest_edge"], size["longest_edge"], image_processor.resample
+
+
+def resized_size(image_processor, size: tuple[int, int]) -> tuple[int, int]:
+    """(w', h'): the size the image processor resizes a (w, h) image to (`smart_resize`, its pixel budget)."""
+    height, width = smart_resize(size[1], size[0], *_resize_rule(image_processor)[:3])
+    return width, height
+
+
+NO_BOMB_WARNING = dict(action="ignore", category=Image.DecompressionBombWarning)  # --max-image-pixels decides
+
+
+def image_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) from the file's header, nothing decoded."""
+    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
+        return im.size
+
+
+@functools.lru_cache(maxsize=8)
+def _shrunk(path: str, rule: tuple[int, int, int, int]) -> Image.Image:
+    """An image larger than the budget, decoded once and resized as the processor would (to `smart_resize`'s
+    size, with its filter), so that its own resize keeps it as it is: `pixel_values` are exactly those of the
+    full image. NOTE: a JPEG decodes at a reduced DCT scale first (`draft`, never below that size), so it is
+    never decoded in full, and its `pixel_values` are close to, not equal to, the full image's. The last 8
+    stay in memory (at most 8 x max_pixels x 3 bytes): an image drawn again soon is not decoded again."""
+    with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(path) as im:
+        original = im.size
+        height, width = smart_resize(original[1], original[0], *rule[:3])
+        im.draft(None, (width, height))  # JPEG only; other formats ignore it
+        # Without alpha, convert_to_rgb is convert("RGB"): one full-size copy instead of three (numpy, back).
+        alpha = "A" in im.getbands() or im.info.get("transparency") is not None
+        image = (data.load_image(im, {}) if alpha else im.convert("RGB")).resize((width, height), rule[3])
+    image.info["original_size"] = original
+    return image
+
+
+def load_image(image: str | Path | Image.Image, sample: dict, image_processor=None) -> Image.Image:
+    """data.load_image, except that a file larger than the processor's pixel budget comes decoded once at
+    the size the processor resizes it to (`_shrunk`), its size on disk in `info["original_size"]`."""
+    rule = _resize_rule(image_processor)
+    if rule is not None and not isinstance(image, Image.Image):
+        try:
+            width, height = image_size(image)
+            if width * height > rule[2]:
+                return _shrunk(str(image), rule)
+        except (OSError, Image.DecompressionBombError):
+            pass  # NOTE: data.load_image decodes it in full and names what is wrong with the file
+    return data.load_image(image, sample)
+
+
+def image_loader(image_processor) -> Callable[[str | Image.Image, dict], Image.Image]:
+    """`load_image` with this processor's pixel budget, for `data.prepare_prompts(..., loader=...)`."""
+    return functools.partial(load_image, image_processor=image_processor)
+
+
+# --- Pixel budgets and checks before any model work -----------------------------------------------------
+@dataclass
+class ResizeReport:
+    """Images larger than the image processor's pixel budget, which it resizes down silently."""
+
+    count: int = 0
+    largest: tuple[int, int] | None = None  # (width, height) of the largest such original
+    longest_prompt: int = 0  # tokens, visual ones included: the P that memory estimates take
+
+
+def set_pixel_budget(image_processor, min_pixels: int | None, max_pixels: int | None) -> None:
+    """--min-pixels / --max-pixels (None: the checkpoint's own), set on the processor itself so that prompts,
+    the prompt-length check and the sizes reported agree. NOTE: `size` holds pixel counts despite its keys."""
+    if image_processor is None or (min_pixels is None and max_pixels is None):
+        return
+    low = min_pixels if min_pixels is not None else image_processor.size["shortest_edge"]
+    high = max_pixels if max_pixels is not None else image_pixel_budget(image_processor)
+    if not 0 < low <= high:
+        raise ValueError(f"--min-pixels/--max-pixels: need 0 < min <= max, got {low} and {high}")
+    image_processor.size["shortest_edge"], image_processor.size["longest_edge"] = low, high
+
+
+def image_pixel_budget(image_processor) -> int | None:
+    """The most pixels an image keeps (`size["longest_edge"]`, a pixel count): Qwen-VL shrinks larger ones."""
+    return None if image_processor is None else image_processor.size["longest_edge"]
+
+
+def check_samples(
+    samples: list[dict],
+    tokenizer,
+    image_processor,
+    *,
+    max_prompt_length: int | None,
+    max_image_pixels: int | None = None,
+) -> ResizeReport:
+    """Fail fast, before any model work: refuse images above `max_image_pixels` before decoding them, decode
+    every other one once, and bound every prompt's length (visual tokens from image sizes by the processor's
+    own rule, no pixels processed); return the ones it shrinks."""
+    budget, oversized, longest = image_pixel_budget(image_processor), [], 0
+    for sample in samples:
+        for image in sample.get("images", []):
+            _check_pixel_count(image, sample, max_image_pixels)
+        images = [load_image(im, sample, image_processor) for im in sample.get("images", [])]  # corrupt: here
+        sizes = [im.info.get("original_size", im.size) for im in images]
+        if sizes and image_processor is None:
+            raise ValueError(f"{data.location(sample)}: a text-only model (no image processor) got images")
+        text = data.chat_text(sample, tokenizer, len(sizes))
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each
+        for width, height in sizes:
+            patches = image_processor.get_number_of_image_patches(height, width, {})
+            length += patches // image_processor.merge_size**2
+            if budget is not None and width * height > budget:
+                oversized.append((width, height))
+        data.check_prompt_length(sample, length, max_prompt_length)
+        longest = max(longest, length)
+    largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
+    return ResizeReport(len(oversized), largest, longest)
+
+
+def _check_pixel_count(image: str | Image.Image, sample: dict, max_image_pixels: int | None) -> None:
+    if max_image_pixels is None or not isinstance(image, str):
+        return
+    try:
+        width, height = image_size(image)
+    except (OSError, Image.DecompressionBombError):
+        return  # load_image names what is wrong with the file
+    if width * height > max_image_pixels:
+        raise ValueError(
+            f"{data.location(sample)}: image {image} is {width}x{height} ({width * height:,} pixels), "
+            f"more than --max-image-pixels {max_image_pixels:,}; shrink it, or raise the limit"
+        )
+
+
+def describe_resizes(report: ResizeReport, budget: int) -> str | None:
+    """One line saying how many images the image processor shrinks, and the largest; None when none."""
+    if report.count == 0:
+        return None
+    (w, h), big = report.largest, f"larger than the image processor's budget ({budget:,} pixels)"
+    if report.count == 1:
+        return f"1 image is {big} and is resized down to fit it: {w}x{h}"
+    return f"{report.count:,} images are {big} and are resized down to fit it; the largest is {w}x{h}"
+
+
+def with_grounding(samples: list[dict], image_processor, frame: str | None) -> list[dict]:
+    """Each sample with an image gets sample["grounding"] = {frame, original_size, resized_size} of its first
+    image (its size on disk, and the size the processor resizes it to), for a grounding reward to compare the
+    model's coordinates with original-pixel ground truth."""
+    if frame is None:
+        return samples
+    out = []
+    for sample in samples:
+        if images := sample.get("images"):
+            original = images[0].size if isinstance(images[0], Image.Image) else image_size(images[0])
+            sizes = dict(
+                original_size=list(original), resized_size=list(resized_size(image_processor, original))
+            )
+            sample = {**sample, "grounding": {"frame": frame, **sizes}}
+        out.append(sample)
+    return out
