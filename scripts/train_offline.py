@@ -326,8 +326,10 @@ def validate(model, batches: list[ScoredBatch], logprobs_of) -> dict:
 def check_args(a: Args) -> None:
     """Each settings group's checks, then every flag's range and file: a cli.UsageError before any write."""
     with cli.user_errors():
-        for group in (a.adv, a.loss, a.lora):
-            group.check()
+        with cli.fields_as_flags(a.adv, a.loss):  # grpo.py's settings name fields
+            a.adv.check()
+            a.loss.check()
+        a.lora.check()
     either = a.demo != (a.data is not None) and not (a.demo and a.val_data)
     cli.check(either, "--data", "pass either --data FILE [--val-data FILE] or --demo")
     for flag, path in (("--data", a.data), ("--val-data", a.val_data)):
@@ -343,7 +345,6 @@ def check_args(a: Args) -> None:
         value = getattr(a, flag[2:].replace("-", "_"))
         cli.check(0 < value < math.inf, flag, f"must be a positive number, got {value}")
     cli.check(a.rce_epochs + a.grpo_epochs >= 1, "--rce-epochs/--grpo-epochs", "together must be >= 1, got 0")
-    cli.check(a.loss.kl_target_low is None, "--kl-target-low", "adaptive KL is not available offline")
     one = a.adv.multi_objective_aggregation == "sum_then_normalize"
     cli.check(one, "--multi-objective-aggregation", "needs several rewards; a line has one score")
     out = Path(a.output_dir)
