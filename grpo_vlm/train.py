@@ -51,6 +51,7 @@ from grpo_vlm import (
     distributed,
     grounding,
     logs,
+    lora_config,
     memory,
     metrics,
     multiturn,
@@ -148,8 +149,8 @@ class Args:
     """The loss and its variants (grpo.py)."""
     kl_band: adaptive_kl.AdaptiveKLConfig = dataclasses.field(default_factory=adaptive_kl.AdaptiveKLConfig)
     """Adaptive KL (adaptive_kl.py): the band beta keeps the KL in."""
-    lora: lora.LoRAConfig = dataclasses.field(default_factory=lora.LoRAConfig)
-    """LoRA (lora.py): where, its rank and scale."""
+    lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
+    """LoRA (lora.py, lora_config.py): where, its rank and scale."""
     speed: speedups.SpeedConfig = dataclasses.field(default_factory=speedups.SpeedConfig)
     """Speed-ups (speedups.py); each leaves the results unchanged (equal to rounding)."""
     tools: tools.ToolConfig = dataclasses.field(default_factory=tools.ToolConfig)
@@ -617,7 +618,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     message = data.describe_resizes(resized, data.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
-    lora.inject_lora(model, args.lora)
+    lora_config.inject(model, args.lora)
     speed, lines = fit_memory(args, model, device, dtype, resized.longest_prompt)
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)

@@ -64,7 +64,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, distributed, logs
+from grpo_vlm import checkpoints, cli, distributed, logs, lora_config
 from scripts import mock_rollouts, outputs
 
 
@@ -133,8 +133,8 @@ class Args:
     """Advantages of the scores (grpo.py)."""
     loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
     """The GRPO loss and its variants (grpo.py)."""
-    lora: lora.LoRAConfig = dataclasses.field(default_factory=lora.LoRAConfig)
-    """LoRA (lora.py): where, its rank and scale."""
+    lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
+    """LoRA (lora.py, grpo_vlm/lora_config.py): where, its rank and scale."""
 
 
 # --- Pure pieces of the algorithm ---------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def load_inputs(args: Args):
     with cli.user_errors("--model: "):
         model, tokenizer, processor = model_io.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors("--lora-last-k: "):
-        lora.inject_lora(model, args.lora)
+        lora_config.inject(model, args.lora)
     with cli.user_errors():  # every image decodes and every prompt and completion fits, before any forward
         data.check_samples(train + val, tokenizer, processor, max_prompt_length=args.max_prompt_length)
         batches, val_batches = make_batches(train, tokenizer, args), make_batches(val, tokenizer, args)

@@ -21,7 +21,7 @@ import torch
 from conftest import train_args
 
 import model_io
-from grpo_vlm import checkpoints, cli, train
+from grpo_vlm import checkpoints, cli, lora_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=4, max_new_tokens=8, seed=0)
@@ -167,6 +167,22 @@ EXACT_MESSAGES = [
 def test_each_settings_group_is_refused_with_the_flag_in_every_place_it_is_named(flags, message):
     with pytest.raises(cli.UsageError) as error:
         train.check_args(small_args(None, **flags))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
+        ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
+        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
+        ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
+    ],
+)
+def test_lora_settings_check_names_the_flag_and_the_value(setting, message):
+    lora_config.LoRAConfig().check()  # the command line's defaults pass
+    with pytest.raises(ValueError) as error:
+        lora_config.LoRAConfig(**setting).check()
     assert str(error.value) == message
 
 
