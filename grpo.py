@@ -16,7 +16,7 @@ The objective, minimised, for row i (reward r_i, completion tokens y_i1..y_iT, m
     k3_it    = exp(d_it) - d_it - 1, d = ref_logp - logp   >= 0, unbiased for KL(pi || ref)
     loss     = aggregate(l, m)                            see `aggregate` for the four ways
 
-In order below: advantages, the loss, the mask, log-probs, sampling, metrics. speedups.py re-arranges the
+In order below: advantages, the loss, the mask, log-probs, sampling. The package grpo_vlm re-arranges the
 sampling (the same tokens) and the log-prob passes (equal to rounding) to use less time and memory.
 
 Choices, where the literature differs:
@@ -38,13 +38,13 @@ Choices, where the literature differs:
   generate's log-probs, so the first ratio is exactly 1.
 """
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
@@ -54,15 +54,14 @@ LOSS_TYPES = get_args(LossType)
 INPUT_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 
-def _check_ranges(config: object, ranges: list[tuple[str, bool, str]]) -> None:
-    for flag, ok, message in ranges:
-        if not ok:
-            raise ValueError(f"{flag}: {message}, got {getattr(config, flag[2:].replace('-', '_'))}")
+def _require(config: object, name: str, ok: bool, message: str) -> None:
+    if not ok:  # in the config's own terms, the field's name; a command line maps it to its flag
+        raise ValueError(f"{name}: {message}, got {getattr(config, name)}")
 
 
 @dataclass
 class AdvantageConfig:
-    """How rewards become advantages. Field names are train.py's flags."""
+    """How rewards become advantages. Field names are the command line's flags."""
 
     adv_scale: AdvantageScale = "group"
     """Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO)."""
@@ -72,27 +71,21 @@ class AdvantageConfig:
     """Clip advantages to [-c, c] (e.g. 5.0). None: no clipping."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     """With several rewards: advantages of the weighted sum (default), or each reward normalised within its
-    group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no --gate)."""
+    group first, then summed and normalised over the batch (GDPO; TRL's normalize_then_sum; no gate)."""
 
     def check(self) -> None:
-        _check_ranges(self, [("--adv-clip", self.adv_clip is None or self.adv_clip > 0, "must be > 0")])
-
-
-def _zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(B,) bool: groups whose G rewards are all equal, tested exactly (a std may round to non-zero)."""
-    grouped = rewards.view(-1, group_size)  # (B, G)
-    return (grouped == grouped[:, :1]).all(dim=1)
+        _require(self, "adv_clip", self.adv_clip is None or self.adv_clip > 0, "must be > 0")
 
 
 def group_advantages(
-    rewards: torch.Tensor,
+    rewards: Tensor,
     group_size: int,
     *,
     scale: str = "group",
     eps: float = 1e-4,
     clip: float | None = None,
     baseline: str = "group",
-) -> torch.Tensor:
+) -> Tensor:
     """Advantages (N,) = (r - baseline) / (std + eps), clipped to [-clip, clip] if given (`AdvantageConfig`
     lists the choices). NOTE: a zero-variance group gets exactly 0, never NaN, with a group baseline."""
     if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size:
@@ -107,7 +100,7 @@ def group_advantages(
     mean = rewards.mean() if baseline == "batch" else grouped.mean(dim=1, keepdim=True)  # () or (B, 1)
     centered = grouped - mean  # (B, G)
     if baseline != "batch":  # the mean of equal floats need not round back to them: force the promised 0
-        centered = torch.where(_zero_std_groups(rewards, group_size)[:, None], 0.0, centered)
+        centered = torch.where((grouped == grouped[:, :1]).all(dim=1, keepdim=True), 0.0, centered)
     if baseline == "rloo":  # r_i - (sum - r_i) / (G - 1) = G / (G - 1) * (r_i - mean)
         centered = centered * (group_size / (group_size - 1))
     if scale != "none":
@@ -118,8 +111,8 @@ def group_advantages(
 
 
 def normalized_reward_sum(
-    components: torch.Tensor, weights: torch.Tensor, group_size: int, *, eps: float = 1e-4
-) -> torch.Tensor:
+    components: Tensor, weights: Tensor, group_size: int, *, eps: float = 1e-4
+) -> Tensor:
     """GDPO: each of components (N, K) z-scored in its group, then weighted by weights (K,) and summed (N,).
     A reward constant in a group adds 0 there, so a binary format reward cannot drown another's signal."""
     grouped = components.to(torch.promote_types(components.dtype, torch.float32))
@@ -131,12 +124,12 @@ def normalized_reward_sum(
 
 
 def advantages(
-    rewards: torch.Tensor,
-    components: torch.Tensor | None,
-    weights: torch.Tensor | None,
+    rewards: Tensor,
+    components: Tensor | None,
+    weights: Tensor | None,
     group_size: int,
     config: AdvantageConfig,
-) -> torch.Tensor:
+) -> Tensor:
     """Advantages (N,): `group_advantages` of rewards (N,), or (GDPO) of `normalized_reward_sum` of components
     (N, K) and weights (K,) over the batch. NOTE: GDPO ignores adv_scale and adv_baseline, not adv_clip."""
     scale, baseline = config.adv_scale, config.adv_baseline
@@ -149,7 +142,7 @@ def advantages(
 
 @dataclass
 class LossConfig:
-    """The objective's settings. Field names are train.py's flags (--loss-type, --clip-eps-low, ...)."""
+    """The objective's settings. Field names are the command line's flags."""
 
     loss_type: LossType = "dapo"
     """grpo, bnpo, dr_grpo, dapo: PPO-clip normalised per sequence, per process's tokens, by a constant, by
@@ -172,31 +165,16 @@ class LossConfig:
     """Train the policy term only on this top share of the batch's tokens by entropy (0.2: "80/20")."""
     use_bias_correction_kl: bool = False
     """Weight the k3 KL term by the importance ratio (DeepSeek-V3.2; TRL's default is on, ours off)."""
-    kl_target_low: float | None = None
-    """Adaptive KL (with --kl-target-high): divide beta by --kl-adapt-factor when the KL is below this."""
-    kl_target_high: float | None = None
-    """Adaptive KL: multiply beta by --kl-adapt-factor when the measured KL is above this."""
-    kl_adapt_factor: float = 1.5
-    """Adaptive KL: the factor beta is multiplied or divided by."""
 
     def check(self) -> None:
         delta_ok = self.delta is None or self.delta > 1 + self.clip_eps_high
-        ranges = [
-            ("--beta", self.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)"),
-            ("--clip-eps-low", 0 <= self.clip_eps_low < 1, "must be in [0, 1)"),
-            ("--clip-eps-high", self.clip_eps_high >= 0, "must be >= 0"),
-            ("--kl-adapt-factor", self.kl_adapt_factor > 1, "must be > 1"),
-            ("--delta", delta_ok, "must be > 1 + --clip-eps-high"),
-            ("--sapo-temperature-pos", self.sapo_temperature_pos > 0, "must be > 0"),
-            ("--sapo-temperature-neg", self.sapo_temperature_neg > 0, "must be > 0"),
-            ("--top-entropy-quantile", 0 < self.top_entropy_quantile <= 1, "must be in (0, 1]"),
-        ]
-        _check_ranges(self, ranges)
-        low, high = self.kl_target_low, self.kl_target_high
-        if (low is None) != (high is None):
-            raise ValueError("--kl-target-low/--kl-target-high: give both or neither")
-        if low is not None and not 0 <= low < high:
-            raise ValueError("--kl-target-low: must be >= 0 and < --kl-target-high")
+        _require(self, "beta", self.beta >= 0, "must be >= 0 (0 drops the KL term and the reference pass)")
+        _require(self, "clip_eps_low", 0 <= self.clip_eps_low < 1, "must be in [0, 1)")
+        _require(self, "clip_eps_high", self.clip_eps_high >= 0, "must be >= 0")
+        _require(self, "delta", delta_ok, "must be > 1 + clip_eps_high")
+        _require(self, "sapo_temperature_pos", self.sapo_temperature_pos > 0, "must be > 0")
+        _require(self, "sapo_temperature_neg", self.sapo_temperature_neg > 0, "must be > 0")
+        _require(self, "top_entropy_quantile", 0 < self.top_entropy_quantile <= 1, "must be in (0, 1]")
 
 
 @dataclass
@@ -204,20 +182,18 @@ class BatchTotals:
     """The whole batch's counts a loss is normalised by, when the rows are split (micro-batches, ranks)."""
 
     num_rows: int
-    num_tokens: float | torch.Tensor
+    num_tokens: float | Tensor
     max_completion_length: int | None = None  # dr_grpo's constant (the sampler's max_new_tokens)
 
 
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Schulman's k3 per token, exp(d) - d - 1 >= 0 with d = ref_logp - logp: unbiased for KL(pi || ref) on
     tokens sampled from pi. expm1: exp(d) - 1 would cancel for small d (fp32 could go negative)."""
     d = ref_logp - logp
     return torch.expm1(d) - d
 
 
-def aggregate(
-    per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, totals: BatchTotals | None = None
-) -> torch.Tensor:
+def aggregate(per_token: Tensor, mask: Tensor, loss_type: str, totals: BatchTotals | None = None) -> Tensor:
     """Reduce a per-token quantity x (N, T) under mask m (N, T) to a scalar; L_i = sum_t m_it:
 
         grpo, sapo         (1 / num_rows) * sum_i (sum_t m_it x_it) / L_i        per sequence, then over them
@@ -239,9 +215,7 @@ def aggregate(
     return per_token.sum() / (mask.sum().clamp(min=1) if totals is None else totals.num_tokens)  # num_tokens
 
 
-def policy_term(
-    ratio: torch.Tensor, adv: torch.Tensor, logp: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
+def policy_term(ratio: Tensor, adv: Tensor, logp: Tensor, config: LossConfig) -> Tensor:
     """The per-token policy loss of each objective, from the importance ratio r (N, T) or (N, 1), adv (N, 1)
     and logp (N, T); minimised. One screen to diff them (gradients at r = 1 are all -A grad logp):
 
@@ -264,8 +238,8 @@ def policy_term(
 
 
 def high_entropy_mask(
-    entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *, pool: torch.Tensor | None = None
-) -> torch.Tensor:
+    entropy: Tensor, mask: Tensor, quantile: float, *, pool: Tensor | None = None
+) -> Tensor:
     """(N, T) bool: unmasked tokens in the top `quantile` by entropy (Wang et al. 2025, "Beyond the 80/20
     rule": "forking" tokens carry the signal) of `pool` if given (all ranks' tokens), else of these rows'."""
     pool = entropy[mask.bool()] if pool is None else pool  # the unmasked tokens only
@@ -273,16 +247,16 @@ def high_entropy_mask(
 
 
 def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    mask: Tensor,
     config: LossConfig,
     *,
-    token_mask: torch.Tensor | None = None,
+    token_mask: Tensor | None = None,
     totals: BatchTotals | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, float]]:
     """The loss (scalar) and token-mean stats from logp/old_logp/ref_logp/mask/token_mask (N, T), adv (N,)."""
     if config.beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp (the reference model's log-probs)")
@@ -313,9 +287,7 @@ def grpo_loss(
     return loss, dict(zip(values, means.tolist()))  # one device sync for all the stats
 
 
-def completion_mask(
-    completion_ids: torch.Tensor, eos_token_id: int | Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_mask(completion_ids: Tensor, eos_token_id: int | Sequence[int]) -> tuple[Tensor, Tensor]:
     """Loss mask (N, T) and `truncated` (N,), from lengths, never token values (pad == eos is safe): a row
     runs through its first EOS (one id or several; EOS-first rows too), else all T (cut at max_new_tokens)."""
     T = completion_ids.shape[1]
@@ -329,8 +301,8 @@ def completion_mask(
 
 
 def logprobs_from_logits(
-    logits: torch.Tensor, completion_ids: torch.Tensor, *, temperature: float, return_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits: Tensor, completion_ids: Tensor, *, temperature: float, return_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """logp [and entropy] (N, T) of shifted logits (N, T, V), temperature 0 as 1; holds (N, T, V) in fp32."""
     temperature = temperature if temperature > 0 else 1.0
     # fp32, divided after the upcast: a bf16 logsumexp of ~10-20 is off by up to ~0.06, 6% in the ratio.
@@ -342,7 +314,7 @@ def logprobs_from_logits(
         return logp, torch.special.entr(torch.softmax(logits.float() / temperature, dim=-1)).sum(dim=-1)
 
 
-def check_inputs(inputs: dict[str, torch.Tensor]) -> None:
+def check_inputs(inputs: dict[str, Tensor]) -> None:
     """Refuse prompt batches that generation and the recompute would silently read differently."""
     if set(inputs) - set(INPUT_KEYS):
         raise ValueError(f"unexpected prompt inputs {sorted(inputs)}; expected a subset of {INPUT_KEYS}")
@@ -354,9 +326,7 @@ def check_inputs(inputs: dict[str, torch.Tensor]) -> None:
         raise ValueError("pixel_values and image_grid_thw must be given together")
 
 
-def recompute_inputs(
-    inputs: dict[str, torch.Tensor], completion_ids: torch.Tensor
-) -> dict[str, torch.Tensor]:
+def recompute_inputs(inputs: dict[str, Tensor], completion_ids: Tensor) -> dict[str, Tensor]:
     """The model inputs for prompt + completion (N, P + T): exactly what generate saw, in one forward pass."""
     check_inputs(inputs)
     # Ones over the whole completion, as generate appends them: tokens after EOS reach only masked positions.
@@ -375,12 +345,12 @@ def recompute_inputs(
 
 def completion_logprobs(
     model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
-    completion_ids: torch.Tensor,
+    inputs: dict[str, Tensor],
+    completion_ids: Tensor,
     *,
     temperature: float,
     return_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """log pi(completion token | prompt, earlier tokens) (N, T) [and the entropy], in one forward pass."""
     T, head = completion_ids.shape[1], model.get_output_embeddings()  # NOTE: read as bias-free, uncapped
     hidden = model.base_model(**recompute_inputs(inputs, completion_ids), use_cache=False).last_hidden_state
@@ -393,7 +363,7 @@ def completion_logprobs(
 
 @dataclass
 class SamplingConfig:
-    """How completions are drawn. Field names are train.py's flags."""
+    """How completions are drawn. Field names are the command line's flags."""
 
     max_new_tokens: int = 24
     """Longest completion; a completion that reaches it without EOS counts as truncated."""
@@ -404,12 +374,9 @@ class SamplingConfig:
 
     def check(self) -> None:
         greedy = "must be > 0: at 0 every completion of a group is the same"
-        ranges = [
-            ("--max-new-tokens", self.max_new_tokens >= 1, "must be >= 1"),
-            ("--temperature", self.temperature > 0, greedy),
-            ("--top-p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-        ]
-        _check_ranges(self, ranges)
+        _require(self, "max_new_tokens", self.max_new_tokens >= 1, "must be >= 1")
+        _require(self, "temperature", self.temperature > 0, greedy)
+        _require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
 
 
 # generate() fills every option it is not given from the checkpoint's generation_config, then from library
@@ -436,7 +403,7 @@ def check_sampling(
 @torch.no_grad()
 def sample_completions(
     model: torch.nn.Module,
-    inputs: dict[str, torch.Tensor],
+    inputs: dict[str, Tensor],
     *,
     max_new_tokens: int,
     temperature: float,
@@ -446,7 +413,7 @@ def sample_completions(
     suppress_token_ids: Sequence[int] = (),
     return_logprobs: bool = False,
     num_return_sequences: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[Tensor, Tensor | None]:
     """Completion ids (N, T) [and log-probs, for tests] of num_return_sequences = G samples of each prompt."""
     check_inputs(inputs)
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
@@ -470,43 +437,3 @@ def sample_completions(
     logits = torch.stack(out.logits, dim=1)  # (N, T, V) raw: before temperature, top_p and suppression
     logp, _ = logprobs_from_logits(logits, completion_ids, temperature=temperature, return_entropy=False)
     return completion_ids, logp
-
-
-def rollout_metrics(
-    rewards: torch.Tensor,
-    components: dict[str, torch.Tensor],
-    mask: torch.Tensor,
-    truncated: torch.Tensor,
-    correct: torch.Tensor | None,
-    group_size: int,
-) -> dict[str, float]:
-    """Scalars about one rollout (tensors per row (N,), mask (N, T)); population stds, so N = 1 gives 0."""
-    lengths = mask.sum(dim=1).float()  # (N,)
-    metrics = {}
-    for name, values in {"reward": rewards, **{f"reward/{k}": v for k, v in components.items()}}.items():
-        values = values.float()
-        metrics[f"{name}/mean"], metrics[f"{name}/std"] = values.mean(), values.std(correction=0)
-    metrics["frac_zero_std_groups"] = _zero_std_groups(rewards, group_size).float().mean()
-    metrics["completion_length/mean"], metrics["completion_length/max"] = lengths.mean(), lengths.max()
-    metrics["frac_truncated"] = truncated.float().mean()
-    if correct is not None:
-        correct = correct.bool()
-        metrics["frac_correct"] = correct.float().mean()
-        for key, rows in (("correct", correct), ("incorrect", ~correct)):
-            if bool(rows.any()):  # else left out: a mean of no rows is NaN
-                metrics[f"completion_length/{key}"] = lengths[rows].mean()
-    metrics["frac_empty"] = ((lengths == 1) & ~truncated).float().mean()  # the EOS alone: said nothing
-    return {key: float(value) for key, value in metrics.items()}
-
-
-def adapt_beta(beta: float, kl: float, config: LossConfig) -> float:
-    """Keep the KL in [kl_target_low, kl_target_high] (PPO's adaptive KL, Schulman et al. 2017, as a band).
-    NOTE: beta = 0 stays 0 (no reference pass); a non-finite KL or no band (targets None) leaves it."""
-    low, high, factor = config.kl_target_low, config.kl_target_high, config.kl_adapt_factor
-    if low is None and high is None:
-        return beta
-    if low is None or high is None or not low < high or factor <= 1.0:
-        raise ValueError("need kl_target_low < kl_target_high and kl_adapt_factor > 1")
-    if not math.isfinite(kl) or low <= kl <= high:
-        return beta
-    return beta * factor if kl > high else beta / factor

@@ -1,4 +1,4 @@
-"""LoRA adapters on chosen blocks of any model; by default the last K decoder blocks of a transformers LM/VLM.
+"""LoRA adapters on chosen blocks of any model, or on the last K decoder blocks of a transformers LM/VLM.
 
 Implements LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): a frozen linear layer
 W gets a trainable low-rank update, y = W x + (alpha / r) * B A dropout(x), A kaiming-uniform and B zero, so
@@ -9,10 +9,10 @@ Choices and sharp edges:
 - Never the vision tower (its MLP has `gate_proj` too); `inject_lora` freezes every other parameter, so
   reentrant checkpointing (not transformers 5's default) needs `model.enable_input_require_grads()`.
 - A and B, and so AdamW's moments, are fp32 whatever the base dtype (as PEFT): bf16 adapters lose every update
-  below bf16's spacing. `lora_fp32=False` keeps them in the base dtype, half the memory, at that cost.
+  below bf16's spacing. `fp32=False` keeps them in the base dtype, half the memory, at that cost.
 - The branch computes in the activation dtype: A and B (tiny) are cast down, never the (tokens, d_in) input
-  up (PEFT upcasts it): bf16 matmuls, no fp32 copy of the input kept for backward. `weights_cast_once` casts
-  them once for all of a sampler's token steps.
+  up (PEFT upcasts it): bf16 matmuls, no fp32 copy of the input kept for backward. A sampler may cast them
+  once for all of its token steps (`LoRALinear.cast`; the package grpo_vlm does).
 - Dropout follows the wrapped layer's mode (HF models load in eval). Merging (in fp32, rounded once) is
   explicit, never a side effect of `.train()`/`.eval()`; misuse (merging twice, inside `adapters_disabled`,
   ...) raises RuntimeError. A bf16 merge/unmerge round trip rounds W (~2**-8): merge once, to export.
@@ -21,7 +21,6 @@ Choices and sharp edges:
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -31,34 +30,6 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 # In order: Qwen2/2.5/3-VL (transformers 5), their inner Qwen*VLModel, causal LMs (Qwen2, Qwen3, Llama).
 _BLOCK_PATHS = ("model.language_model.layers", "language_model.layers", "model.layers")
 Blocks = nn.ModuleList | Sequence[nn.Module]
-
-
-@dataclass
-class LoRAConfig:
-    """LoRA's settings, named as the command line's flags (`lora_r` is `--lora-r`)."""
-
-    lora_last_k: int = 4
-    """LoRA goes into the last K decoder blocks of the language model (vision tower frozen)."""
-    lora_r: int = 8
-    """LoRA rank."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator: the update is B @ A * alpha / r."""
-    lora_fp32: bool = True
-    """LoRA weights and AdamW state in fp32 whatever --dtype (as PEFT); the branch computes in the activation
-    dtype. --no-lora-fp32: the base dtype (half the memory, but bf16 rounds small updates away)."""
-    lora_dropout: float = 0.0
-    """Dropout on the LoRA branch input during the gradient pass."""
-
-    def check(self) -> None:
-        """Raise ValueError('--flag: what is wrong, got value') for the first setting out of range."""
-        for flag, ok, message in [
-            ("--lora-last-k", self.lora_last_k >= 1, "must be >= 1"),
-            ("--lora-r", self.lora_r >= 1, "must be >= 1"),
-            ("--lora-alpha", self.lora_alpha > 0, "must be > 0"),
-            ("--lora-dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
-        ]:
-            if not ok:
-                raise ValueError(f"{flag}: {message}, got {getattr(self, flag[2:].replace('-', '_'))}")
 
 
 class LoRALinear(nn.Module):
@@ -86,7 +57,7 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)  # B = 0: the adapted model starts equal to the base
         self.merged = False  # True while B @ A * scaling is folded into base_layer.weight
         self.disabled = False  # True inside adapters_disabled(): forward is the base layer alone
-        self.cast: tuple[Tensor, Tensor] | None = None  # A, B in the base dtype, in weights_cast_once()
+        self.cast: tuple[Tensor, Tensor] | None = None  # A, B already in the base dtype (set by a sampler)
         self.train(base_layer.training)  # NOTE: inherited: a new module starts in training mode (dropout on)
 
     # Code that reads `self.q_proj.weight` (dtype probes, attention kernels) still finds the base weight.
@@ -147,27 +118,33 @@ def lora_modules(model: nn.Module, *, required: bool = False) -> dict[str, LoRAL
 
 def inject_lora(
     model: nn.Module,
-    config: LoRAConfig,
     *,
+    r: int,
+    alpha: float,
+    dropout: float = 0.0,
+    last_k: int | None = None,
     blocks: Blocks | None = None,
     targets: Sequence[str] = DEFAULT_TARGETS,
+    fp32: bool = True,
 ) -> list[str]:
-    """Freeze all parameters, wrap the `targets` linears of `blocks` in LoRALinear; their dotted names.
-    `blocks` defaults to the last `config.lora_last_k` of `find_decoder_blocks`; checks precede changes."""
-    r, alpha, dropout = config.lora_r, config.lora_alpha, config.lora_dropout
+    """Freeze all parameters, wrap the `targets` linears in LoRALinear (rank r, scale alpha / r, A and B in
+    fp32 or the base dtype); their dotted names. Where: the last `last_k` of `find_decoder_blocks`, or the
+    given `blocks` (exactly one of the two). Every check precedes any change."""
     if r < 1:
         raise ValueError(f"LoRA rank r must be >= 1, got {r}")
+    if (last_k is None) == (blocks is None):
+        raise ValueError("give exactly one of last_k (the last K decoder blocks) and blocks")
     if lora_modules(model):
         raise ValueError("model already has LoRA adapters; wrapping them again would nest LoRALinear")
     if blocks is None:
         path, found = find_decoder_blocks(model)
-        last_k, n = config.lora_last_k, len(found)
+        n = len(found)
         if not 1 <= last_k <= n:
             raise ValueError(f"last_k must be in [1, {n}] ({path} has {n} blocks), got {last_k}")
         blocks = list(found)[n - last_k :]
     linears = target_linears(model, blocks, targets)
     model.requires_grad_(False)  # only the LoRA parameters, created below, are trainable
-    dtype = torch.float32 if config.lora_fp32 else None
+    dtype = torch.float32 if fp32 else None
     for name, linear in linears.items():  # NOTE: in module order: each A's init draws from the global RNG
         parent, _, leaf = name.rpartition(".")
         adapted = LoRALinear(linear, r=r, alpha=alpha, dropout=dropout, dtype=dtype)
@@ -199,20 +176,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for m, flag in previous.items():
             m.disabled = flag
-
-
-@contextmanager
-def weights_cast_once(model: nn.Module) -> Iterator[None]:
-    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged)."""
-    modules = lora_modules(model).values()  # any model: without adapters, nothing to cast
-    with torch.no_grad():  # the casts are constants: nothing inside trains A or B
-        for m in modules:
-            m.cast = (m.lora_A.weight.to(m.weight.dtype), m.lora_B.weight.to(m.weight.dtype))
-        try:
-            yield
-        finally:
-            for m in modules:
-                m.cast = None
 
 
 @torch.no_grad()

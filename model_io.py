@@ -219,10 +219,9 @@ def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bo
             raise ValueError(f"{weights}: {key!r} holds NaN or inf values; refusing to load it")
     if not modules:
         dropout = float(config.get("lora_dropout", 0.0))
-        settings = lora.LoRAConfig(
-            lora_last_k=len(layers), lora_r=r, lora_alpha=alpha, lora_fp32=lora_fp32, lora_dropout=dropout
+        lora.inject_lora(
+            model, r=r, alpha=alpha, dropout=dropout, blocks=adapted, targets=targets, fp32=lora_fp32
         )
-        lora.inject_lora(model, settings, blocks=adapted, targets=targets)
         modules = lora.lora_modules(model)
     with torch.no_grad():
         for name, m in modules.items():

@@ -1,28 +1,18 @@
-"""Reward functions for GRPO, the gate-aware combiner `score`, and plug-in loading. Standard library only.
+"""Rewards for GRPO: plain functions `fn(completion, sample) -> float`, `score` to combine them, plug-ins.
 
-A reward is a pure function `fn(completion: str, sample: Mapping[str, Any]) -> float`; `sample` is the dataset
-sample dict, passed through untouched, so a reward reads whatever ground truth it needs (`sample["label"]`,
-`sample["answer"]`). Built-ins (`BUILTIN_REWARDS`), each 1.0 or 0.0 as its docstring says: label, format,
-exact_match, answer_match, numeric_match, think_answer_format; and overlong, DAPO's soft penalty (<= 0).
-"Answer text" is the last `<answer>…</answer>` block's content, else the whole completion, so the answer
-rewards compose with think_answer_format and work on bare answers. Verdicts: `通过` ≡ `pass`, `不通过` ≡
-`fail`, English case-insensitive; others earn 0. Malformed ground truth (a label that is no verdict, a
-non-numeric answer) raises ValueError: a silent 0 would hide a broken dataset. A malformed COMPLETION earns 0.
+`sample` is the dataset's dict, passed through untouched: a reward reads the ground truth it needs
+(`sample["label"]`, `sample["answer"]`). Built-ins (`BUILTIN_REWARDS`, each 1.0 or 0.0 as its docstring
+says): label, format, exact_match, answer_match, numeric_match, think_answer_format, and overlong (DAPO's soft
+penalty, <= 0). Verdicts: 通过 ≡ pass, 不通过 ≡ fail. A malformed completion earns 0; malformed ground truth
+raises ValueError (a silent 0 would hide a broken dataset), and `check_needs` finds it when the data loads,
+from the fields each reward declares with `@needs(label=...)`.
 
-Combining (`score`): total = sum(weight * value), but a completion with ANY gate reward <= 0 gets 0 (no credit
-for a right verdict in a broken format). Gates should therefore be 0/1 rewards; never gate `overlong`, which
-is <= 0 by construction. NOTE: no broadcast over a group: the trainer repeats each sample G times.
-
-Plug-ins (`load_reward("module:function")` or `"path/to/file.py:function"`): a callable that accepts
-`(completion, sample)` positionally and returns an int or float; bool (almost always a forgotten float()),
-None, NaN, inf and beyond float32's +/-3.4e38 (inf in the trainer's tensor; each would poison the group's
-std) raise RewardValueError naming the reward, the completion index and the sample id, and what a plug-in
-raises gets a note naming them. A reward needing the completion's token count declares a KEYWORD-ONLY
-`completion_length`, which `score` passes to exactly those rewards; any other parameter must have a default
-or be bound at load time. A reward declares the sample fields it reads, `@needs(label=str)` (a type, a tuple
-of types, or a function raising ValueError on a bad value; or `fn.needs = check(sample)` where fields go
-together), and `check_needs` runs them over every sample when the data loads: a bad line 5 fails at once.
-The full trainer (grpo_vlm) adds grounding and tool rewards, time limits and one-line failure messages.
+`score`: total = sum(weight * value), but 0 where any gate reward is <= 0 (no credit for a right verdict in
+a broken format; so gates should be 0/1 rewards). A value that is no finite float32 number raises
+RewardValueError; what a reward raises gets a note naming it and the completion. Plug-ins
+(`module:function`, `path/to/file.py:function`) take (completion, sample) positionally; a keyword-only
+`completion_length` receives the token count. Standard library only: copy it alone. The full trainer
+(grpo_vlm) adds grounding and tool rewards, time limits and one-line failure messages.
 """
 
 import dataclasses

@@ -442,16 +442,22 @@ def flat_settings(settings: dict) -> dict:
 
 
 def settings_from_record(settings: dict, cls: type):
-    """The dataclass `cls` (nested settings groups included) from run.json's "args": JSON lists back to
-    tuples; what it lacks keeps the default."""
-    values = {}
-    for field in dataclasses.fields(cls):
-        value = settings.get(field.name, dataclasses.MISSING)
-        if dataclasses.is_dataclass(field.default_factory) and isinstance(value, dict):
-            values[field.name] = settings_from_record(value, field.default_factory)
-        elif value is not dataclasses.MISSING:
-            values[field.name] = tuple(value) if isinstance(value, list) else value
-    return cls(**values)
+    """The dataclass `cls` (nested settings groups included) from run.json's "args": each field by its flag
+    name, in whichever group the record holds it (a setting moved to another group reads back); JSON lists
+    back to tuples; what it lacks keeps the default."""
+    flat = flat_settings(settings)
+
+    def build(group: type):
+        values = {}
+        for field in dataclasses.fields(group):
+            value = flat.get(field.name, dataclasses.MISSING)
+            if dataclasses.is_dataclass(field.default_factory):  # a settings group: its fields are flat too
+                values[field.name] = build(field.default_factory)
+            elif value is not dataclasses.MISSING:
+                values[field.name] = tuple(value) if isinstance(value, list) else value
+        return group(**values)
+
+    return build(cls)
 
 
 def resumed_settings(out: Path, given: dict, may_change: Collection[str]) -> tuple[dict, str | None]:

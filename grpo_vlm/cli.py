@@ -14,16 +14,19 @@ Exit statuses (the same for every command of the project):
 
 A user's mistake is a `UsageError`; code that reads the user's input (flags, files, data, plug-ins) runs
 inside `user_errors()`, which turns the ValueError / OSError that data.py, rewards.py and model loading
-raise with their file:line messages into one. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped`
-at once while nothing needs finishing (loading, validation, the first evaluation), and into a request that
-the training loop honours after its current step once `defer()` has been called (at once again while an
-`abortable` function runs: slow user code that writes nothing). One writer per output:
-`hold_lock` takes an exclusive lock that the operating system releases when the process ends. Stdlib only.
+raise with their file:line messages into one; inside `fields_as_flags()`, the field names that grpo.py's
+settings raise in become the flags. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped` at once
+while nothing needs finishing (loading, validation, the first evaluation), and into a request that the
+training loop honours after its current step once `defer()` has been called (at once again while an
+`abortable` function runs: slow user code that writes nothing). One writer per output: `hold_lock` takes
+an exclusive lock that the operating system releases when the process ends. Stdlib only.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -87,6 +90,21 @@ def user_errors(prefix: str = "") -> Iterator[None]:
         if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in message:
             message = f"{e.filename}: {message}"
         raise UsageError(f"{prefix}{message}") from e
+
+
+@contextmanager
+def fields_as_flags(*groups: Any) -> Iterator[None]:
+    """Inside, a ValueError that names settings of the dataclass instances `groups` by field, as the reference
+    modules' configs do (`clip_eps_low: must be in [0, 1), got 1.5`), becomes a UsageError that names them
+    by flag (`--clip-eps-low: ...`) wherever in the message they stand; the rest of the message unchanged."""
+    names = sorted(
+        {field.name for group in groups for field in dataclasses.fields(group)}, key=len, reverse=True
+    )
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    try:
+        yield
+    except ValueError as e:
+        raise UsageError(pattern.sub(lambda m: "--" + m[1].replace("_", "-"), str(e))) from e
 
 
 def hold_lock(path: str | os.PathLike, what: str):

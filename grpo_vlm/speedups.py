@@ -8,7 +8,8 @@ Each section re-arranges one grpo.py function:
    `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
    decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
    static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended; with
-   --cuda-graph it is captured once per batch and replayed (`capture_cuda_graph`).
+   --cuda-graph it is captured once per batch and replayed (`capture_cuda_graph`). LoRA's A and B are cast
+   to the base dtype once per sampling (`weights_cast_once`), not at every token step.
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -27,8 +28,8 @@ models it can see break this.
 """
 
 import inspect
-from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -162,6 +163,20 @@ def _decode_step(
     return step if capture is None else _captured(step, capture)
 
 
+@contextmanager
+def weights_cast_once(model: nn.Module) -> Iterator[None]:
+    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged)."""
+    modules = lora.lora_modules(model).values()  # any model: without adapters, nothing to cast
+    with torch.no_grad():  # the casts are constants: nothing inside trains A or B
+        for m in modules:
+            m.cast = (m.lora_A.weight.to(m.weight.dtype), m.lora_B.weight.to(m.weight.dtype))
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.cast = None
+
+
 @torch.no_grad()
 def sample_shared_prefill(
     model: nn.Module,
@@ -192,7 +207,7 @@ def sample_shared_prefill(
         recorded.append(args[0] if args else kwargs["hidden_states"])
 
     hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if record_block else nullcontext()
-    with hook, lora.weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
+    with hook, weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
         logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
         (N, V), device = logits.shape, logits.device
         # The causal mask hides the positions still to be written: the padding mask is set once, for all T.

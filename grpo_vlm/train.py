@@ -45,6 +45,7 @@ import lora
 import model_io
 import rewards
 from grpo_vlm import (
+    adaptive_kl,
     checkpoints,
     cli,
     dataset,
@@ -52,7 +53,9 @@ from grpo_vlm import (
     files,
     grounding,
     logs,
+    lora_config,
     memory,
+    metrics,
     multiturn,
     scoring,
     speedups,
@@ -147,8 +150,10 @@ class Args:
     """Advantages (grpo.py)."""
     loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
     """The loss and its variants (grpo.py)."""
-    lora: lora.LoRAConfig = dataclasses.field(default_factory=lora.LoRAConfig)
-    """LoRA (lora.py): where, its rank and scale."""
+    kl_band: adaptive_kl.AdaptiveKLConfig = dataclasses.field(default_factory=adaptive_kl.AdaptiveKLConfig)
+    """Adaptive KL (adaptive_kl.py): the band beta keeps the KL in."""
+    lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
+    """LoRA (lora.py, lora_config.py): where, its rank and scale."""
     speed: speedups.SpeedConfig = dataclasses.field(default_factory=speedups.SpeedConfig)
     """Speed-ups (speedups.py); each leaves the results unchanged (equal to rounding)."""
     tools: tools.ToolConfig = dataclasses.field(default_factory=tools.ToolConfig)
@@ -225,9 +230,11 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     t1 = time.time()
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
     correct = ro.components[run.accuracy_name] >= 1.0
-    metrics = grpo.rollout_metrics(ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size)
-    metrics.update(ro.tool_metrics)  # with tools: calls and errors per completion
-    record = {"step": step, "beta": beta, **stats, **distributed.mean_across_ranks(metrics), **counts}
+    measured = metrics.rollout_metrics(
+        ro.reward, ro.components, ro.mask, ro.truncated, correct, args.group_size
+    )
+    measured.update(ro.tool_metrics)  # with tools: calls and errors per completion
+    record = {"step": step, "beta": beta, **stats, **distributed.mean_across_ranks(measured), **counts}
     timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
     return record, timings, ro
 
@@ -500,9 +507,12 @@ def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
     each settings group checks its own, then the trainer's flags and the rules that span groups."""
     with cli.user_errors():
-        for group in (args.samples, args.sampling, args.rewards, args.adv, args.loss, args.lora, args.speed):
+        args.samples.check()
+        with cli.fields_as_flags(args.sampling, args.adv, args.loss):  # grpo.py's settings name fields
+            for group in (args.sampling, args.adv, args.loss):
+                group.check()
+        for group in (args.rewards, args.kl_band, args.lora, args.speed, args.tools):
             group.check()
-        args.tools.check()
     a = args
     ranges = [
         ("--steps", a.steps >= 1, "must be >= 1"),
@@ -616,7 +626,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     message = dataset.describe_resizes(resized, dataset.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
-    lora.inject_lora(model, args.lora)
+    lora_config.inject(model, args.lora)
     speed, lines = fit_memory(args, model, device, dtype, resized.longest_prompt)
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
@@ -779,14 +789,14 @@ def evaluate(run: Run, args: Args) -> dict:
     failed = [(rank, r["failed"]) for rank, r in enumerate(ranks) if "failed" in r]
     if failed:
         raise cli.UsageError(f"evaluation on rank {failed[0][0]}: {failed[0][1]}")
-    metrics = {}
+    scores = {}
     for i, (suffix, samples) in enumerate(sets):
         if samples:
-            metrics[f"eval/accuracy{suffix}"] = sum(r["sums"][i][0] for r in ranks) / len(samples)
-            metrics[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
+            scores[f"eval/accuracy{suffix}"] = sum(r["sums"][i][0] for r in ranks) / len(samples)
+            scores[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
         if samples and run.tools is not None:  # calls per completion
-            metrics[f"eval/tools/calls{suffix}"] = sum(r["sums"][i][2] for r in ranks) / len(samples)
-    return metrics
+            scores[f"eval/tools/calls{suffix}"] = sum(r["sums"][i][2] for r in ranks) / len(samples)
+    return scores
 
 
 def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float, int]:
@@ -895,8 +905,8 @@ def train_loop(
             raise
         completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
         del ro  # NOTE: its chunks and trunk recordings are freed before the next step samples, not after
-        if args.loss.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
-            beta = grpo.adapt_beta(beta, record["kl"], args.loss)
+        if args.kl_band.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
+            beta = adaptive_kl.adapt_beta(beta, record["kl"], args.kl_band)
         bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
         try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
             if run.held_out and (step % args.eval_every == 0 or step == args.steps):

@@ -63,7 +63,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, speedups, tasks, train
+from grpo_vlm import cli, lora_config, speedups, tasks, train
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
 
@@ -209,7 +209,7 @@ def task_samples(config: Config, n: int) -> list[dict]:
 
 def add_lora(model, config: Config) -> None:
     """LoRA in the last K blocks, with B != 0 (as after the first update) so the adapters change outputs."""
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=config.K, lora_r=config.r, lora_alpha=2.0 * config.r))
+    lora.inject_lora(model, r=config.r, alpha=2.0 * config.r, last_k=config.K)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in lora.lora_parameters(model):
@@ -322,7 +322,7 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
         group_size=config.G,
         num_iterations=bench.num_iterations,
         sampling=grpo.SamplingConfig(max_new_tokens=config.T),
-        lora=lora.LoRAConfig(lora_last_k=config.K, lora_r=config.r),
+        lora=lora_config.LoRAConfig(lora_last_k=config.K, lora_r=config.r),
         speed=speed,
     )
 
@@ -432,7 +432,7 @@ def _memory_model():
     )
     model = Qwen2ForCausalLM(config).eval()
     # something to differentiate, as in training
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=1)
     return model
 
 

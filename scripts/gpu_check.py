@@ -58,7 +58,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, distributed, memory, speedups
+from grpo_vlm import cli, distributed, lora_config, memory, speedups
 
 # Qwen2.5-VL's public config.json numbers (memory.QWEN25_VL, shared with the estimate) with what a random
 # build needs beside them, and a tiny model of the kind: name -> (text config, vision config, first special
@@ -152,8 +152,8 @@ class Args:
     """Checkpoint the adapted blocks in the default step."""
     seed: int = 0
     """Seeds the weights, the prompts, LoRA, sampling and the rewards."""
-    lora: lora.LoRAConfig = field(default_factory=lora.LoRAConfig)
-    """LoRA (lora.py): the last K blocks, rank r."""
+    lora: lora_config.LoRAConfig = field(default_factory=lora_config.LoRAConfig)
+    """LoRA (lora.py, grpo_vlm/lora_config.py): the last K blocks, rank r."""
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Setup:
     group_size: int
     dtype: torch.dtype
     seed: int
-    lora: lora.LoRAConfig
+    lora: lora_config.LoRAConfig
     speed: speedups.SpeedConfig  # the default step's
 
     @property
@@ -557,7 +557,7 @@ def main(args: Args) -> None:
         run_check("3 recorded trunk = full forward", lambda: check_trunk(model, s)),
     ]
     torch.manual_seed(args.seed)  # LoRA's A
-    lora.inject_lora(model, args.lora)
+    lora_config.inject(model, args.lora)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
     steps = {label: (loss, adv, {}, 1) for label, (loss, adv) in VARIANTS.items()}
     steps |= {label: ({}, {}, overrides, mu) for label, (overrides, mu) in PATHS.items()}

@@ -64,7 +64,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs
+from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs, lora_config
 from scripts import mock_rollouts, outputs
 
 
@@ -133,8 +133,8 @@ class Args:
     """Advantages of the scores (grpo.py)."""
     loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
     """The GRPO loss and its variants (grpo.py)."""
-    lora: lora.LoRAConfig = dataclasses.field(default_factory=lora.LoRAConfig)
-    """LoRA (lora.py): where, its rank and scale."""
+    lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
+    """LoRA (lora.py, grpo_vlm/lora_config.py): where, its rank and scale."""
 
 
 # --- Pure pieces of the algorithm ---------------------------------------------------------------------------
@@ -326,8 +326,10 @@ def validate(model, batches: list[ScoredBatch], logprobs_of) -> dict:
 def check_args(a: Args) -> None:
     """Each settings group's checks, then every flag's range and file: a cli.UsageError before any write."""
     with cli.user_errors():
-        for group in (a.adv, a.loss, a.lora):
-            group.check()
+        with cli.fields_as_flags(a.adv, a.loss):  # grpo.py's settings name fields
+            a.adv.check()
+            a.loss.check()
+        a.lora.check()
     either = a.demo != (a.data is not None) and not (a.demo and a.val_data)
     cli.check(either, "--data", "pass either --data FILE [--val-data FILE] or --demo")
     for flag, path in (("--data", a.data), ("--val-data", a.val_data)):
@@ -343,7 +345,6 @@ def check_args(a: Args) -> None:
         value = getattr(a, flag[2:].replace("-", "_"))
         cli.check(0 < value < math.inf, flag, f"must be a positive number, got {value}")
     cli.check(a.rce_epochs + a.grpo_epochs >= 1, "--rce-epochs/--grpo-epochs", "together must be >= 1, got 0")
-    cli.check(a.loss.kl_target_low is None, "--kl-target-low", "adaptive KL is not available offline")
     one = a.adv.multi_objective_aggregation == "sum_then_normalize"
     cli.check(one, "--multi-objective-aggregation", "needs several rewards; a line has one score")
     out = Path(a.output_dir)
@@ -376,7 +377,7 @@ def load_inputs(args: Args):
     with cli.user_errors("--model: "):
         model, tokenizer, processor = model_io.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors("--lora-last-k: "):
-        lora.inject_lora(model, args.lora)
+        lora_config.inject(model, args.lora)
     with cli.user_errors():  # every image decodes and every prompt and completion fits, before any forward
         dataset.check_samples(train + val, tokenizer, processor, max_prompt_length=args.max_prompt_length)
         batches, val_batches = make_batches(train, tokenizer, args), make_batches(val, tokenizer, args)

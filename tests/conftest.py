@@ -240,7 +240,7 @@ def lora_model_with_gradients(checkpoint: Path = TINY_CHECKPOINT):
         str(checkpoint), device="cpu", dtype=torch.float32
     )
     torch.manual_seed(0)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora.lora_parameters(model):

@@ -21,7 +21,7 @@ import torch
 from conftest import train_args
 
 import model_io
-from grpo_vlm import checkpoints, cli, train
+from grpo_vlm import checkpoints, cli, lora_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=4, max_new_tokens=8, seed=0)
@@ -148,6 +148,50 @@ def test_a_bad_flag_is_refused_by_name_before_anything_is_written(tmp_path, monk
     with pytest.raises(cli.UsageError, match=f"^{flag}: "):
         train.main(small_args(tmp_path / "run", **BAD_FLAGS[flag]))
     assert not (tmp_path / "run").exists()
+
+
+EXACT_MESSAGES = [
+    (dict(delta=1.2), "--delta: must be > 1 + --clip-eps-high, got 1.2"),  # grpo.py's, field names as flags
+    (
+        dict(temperature=0.0),
+        "--temperature: must be > 0: at 0 every completion of a group is the same, got 0.0",
+    ),
+    (dict(adv_clip=0.0), "--adv-clip: must be > 0, got 0.0"),
+    (dict(kl_target_low=0.2, kl_target_high=0.1), "--kl-target-low: must be >= 0 and < --kl-target-high"),
+    (dict(lora_dropout=1.0), "--lora-dropout: must be in [0, 1), got 1.0"),
+    (dict(reward_timeout=-1.0), "--reward-timeout: must be a positive number of seconds, got -1.0"),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), EXACT_MESSAGES)
+def test_each_settings_group_is_refused_with_the_flag_in_every_place_it_is_named(flags, message):
+    with pytest.raises(cli.UsageError) as error:
+        train.check_args(small_args(None, **flags))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
+        ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
+        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
+        ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
+    ],
+)
+def test_lora_settings_check_names_the_flag_and_the_value(setting, message):
+    lora_config.LoRAConfig().check()  # the command line's defaults pass
+    with pytest.raises(ValueError) as error:
+        lora_config.LoRAConfig(**setting).check()
+    assert str(error.value) == message
+
+
+def test_a_run_json_with_a_setting_in_its_former_group_resumes_with_it():
+    # The adaptive-KL band was part of the loss's group: a run recorded then keeps its band on --resume.
+    recorded = {"loss": {"beta": 0.1, "kl_target_low": 0.01, "kl_target_high": 0.2}, "lora": {"lora_r": 4}}
+    args = checkpoints.settings_from_record(recorded, train.Args)
+    assert (args.loss.beta, args.kl_band.kl_target_low, args.kl_band.kl_target_high) == (0.1, 0.01, 0.2)
+    assert args.lora.lora_r == 4 and args.kl_band.kl_adapt_factor == 1.5  # what it lacks: the default
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tmp_path, monkeypatch):

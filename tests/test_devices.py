@@ -42,7 +42,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, dataset, distributed, speedups, train
+from grpo_vlm import cli, dataset, distributed, metrics, speedups, train
 
 OTHER = torch.device("meta")
 
@@ -238,10 +238,10 @@ def test_mask_log_probs_entropy_and_high_entropy_selection_follow_their_inputs(o
 
 def test_rollout_metrics_and_recompute_inputs_follow_their_inputs(other_device):
     rewards, mask = on_other([1.0, 0.0, 1.0, 1.0]), on_other([[True, False], [True, True]] * 2)
-    metrics = grpo.rollout_metrics(
+    measured = metrics.rollout_metrics(
         rewards, {"a": rewards}, mask, on_other([False, True] * 2), on_other([True, False] * 2), 2
     )
-    assert metrics["frac_zero_std_groups"] == 0.5 and metrics["completion_length/correct"] == 1.0
+    assert measured["frac_zero_std_groups"] == 0.5 and measured["completion_length/correct"] == 1.0
     inputs = {
         "input_ids": on_other([[0, 3, 5, 4, 9]] * 2),
         "attention_mask": on_other([[0, 1, 1, 1, 1]] * 2),

@@ -118,7 +118,7 @@ def test_a_resumed_sampled_run_draws_what_an_uninterrupted_run_draws(tmp_path):
 def random_adapter(tmp_path) -> Path:
     """An adapter whose B matrices are random (B = 0 would leave the model unchanged)."""
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=2)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in lora.lora_parameters(model)[1::2]:  # (A, B) pairs: every second one is B

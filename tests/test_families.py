@@ -58,7 +58,7 @@ def inputs_of(family: str, group_size: int) -> dict[str, torch.Tensor]:
 def adapted(family: str, last_k: int = K, **config) -> torch.nn.Module:
     """A random model of `family`, LoRA in its last `last_k` blocks, random B (as test_speed.lora_model)."""
     model = make_random_model(family, **config)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=last_k, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=last_k)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora.lora_parameters(model):

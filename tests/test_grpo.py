@@ -12,7 +12,7 @@ from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, PATCH_DIM, VISION_END_ID, VIS
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import grpo
-from grpo_vlm import speedups
+from grpo_vlm import adaptive_kl, metrics, speedups
 
 IMAGE = [VISION_START_ID] + [IMAGE_PAD_ID] * 4 + [VISION_END_ID]  # grid (1, 4, 4): 16 patches -> 4 tokens
 GRID = [1, 4, 4]
@@ -400,7 +400,7 @@ def test_nonfinite_values_at_masked_positions_do_not_leak():
         assert torch.equal(logp.grad[0, 1:], torch.zeros(2)) and logp.grad[0, 0] != 0
 
 
-# --- rollout_metrics ----------------------------------------------------------------------------------------
+# --- rollout metrics (the package's metrics.py) -------------------------------------------------------------
 
 
 def test_rollout_metrics_by_hand():
@@ -410,7 +410,7 @@ def test_rollout_metrics_by_hand():
     mask = torch.arange(4)[None] < lengths[:, None]  # (8, 4)
     truncated = torch.tensor([False, False, False, True, True, False, False, False])
     correct = components["accuracy"].bool()
-    m = grpo.rollout_metrics(rewards, components, mask, truncated, correct, 4)
+    m = metrics.rollout_metrics(rewards, components, mask, truncated, correct, 4)
     assert m["reward/mean"] == pytest.approx(0.75) and m["reward/std"] == pytest.approx(math.sqrt(0.1875))
     assert m["reward/format/mean"] == 1.0 and m["reward/format/std"] == 0.0
     assert m["frac_zero_std_groups"] == 0.5 and m["frac_truncated"] == 0.25 and m["frac_correct"] == 0.75
@@ -418,7 +418,7 @@ def test_rollout_metrics_by_hand():
     assert m["completion_length/correct"] == pytest.approx(19 / 6)  # (1 + 4 + 4 + 4 + 4 + 2) / 6
     assert m["completion_length/incorrect"] == 2.5  # (2 + 3) / 2
     # No correct completion: the key is left out rather than NaN.
-    m = grpo.rollout_metrics(rewards, {}, mask, truncated, torch.zeros(8, dtype=torch.bool), 4)
+    m = metrics.rollout_metrics(rewards, {}, mask, truncated, torch.zeros(8, dtype=torch.bool), 4)
     assert "completion_length/correct" not in m and all(math.isfinite(v) for v in m.values())
 
 
@@ -593,52 +593,68 @@ def test_recompute_uses_each_rows_own_images(random_vlm):
 
 
 def test_adaptive_beta_rises_above_the_band_falls_below_it_and_holds_inside():
-    band = grpo.LossConfig(kl_target_low=0.01, kl_target_high=0.1, kl_adapt_factor=2.0)
+    band = adaptive_kl.AdaptiveKLConfig(kl_target_low=0.01, kl_target_high=0.1, kl_adapt_factor=2.0)
     beta, trace = 0.04, []
     for kl in [0.5, 0.5, 0.05, 0.001, 0.001, float("nan")]:  # a synthetic KL sequence
-        beta = grpo.adapt_beta(beta, kl, band)
+        beta = adaptive_kl.adapt_beta(beta, kl, band)
         trace.append(beta)
     assert trace == pytest.approx([0.08, 0.16, 0.16, 0.08, 0.04, 0.04])
 
 
 def test_adaptive_beta_rejects_an_empty_band():
     with pytest.raises(ValueError):
-        grpo.adapt_beta(
-            0.04, 0.05, grpo.LossConfig(kl_target_low=0.1, kl_target_high=0.1, kl_adapt_factor=2.0)
-        )
+        empty = adaptive_kl.AdaptiveKLConfig(kl_target_low=0.1, kl_target_high=0.1, kl_adapt_factor=2.0)
+        adaptive_kl.adapt_beta(0.04, 0.05, empty)
 
 
 def test_adaptive_beta_without_a_band_leaves_beta_unchanged():
-    assert grpo.adapt_beta(0.04, 5.0, grpo.LossConfig()) == 0.04  # both targets None: the band is off
+    assert adaptive_kl.adapt_beta(0.04, 5.0, adaptive_kl.AdaptiveKLConfig()) == 0.04  # no targets: no band
 
 
-# --- the settings check their own values, naming the flag ---------------------------------------------------
+# --- the settings check their own values, naming the field (a command line names its flag) ------------------
 
 BAD_LOSS_SETTINGS = [
-    (dict(beta=-1.0), "--beta: must be >= 0 (0 drops the KL term and the reference pass), got -1.0"),
-    (dict(clip_eps_low=1.5), "--clip-eps-low: must be in [0, 1), got 1.5"),
-    (dict(clip_eps_high=-0.1), "--clip-eps-high: must be >= 0, got -0.1"),
-    (dict(kl_adapt_factor=1.0), "--kl-adapt-factor: must be > 1, got 1.0"),
-    (dict(delta=1.2), "--delta: must be > 1 + --clip-eps-high, got 1.2"),
-    (dict(sapo_temperature_pos=0.0), "--sapo-temperature-pos: must be > 0, got 0.0"),
-    (dict(sapo_temperature_neg=-1.0), "--sapo-temperature-neg: must be > 0, got -1.0"),
-    (dict(top_entropy_quantile=0.0), "--top-entropy-quantile: must be in (0, 1], got 0.0"),
-    (dict(kl_target_low=0.1), "--kl-target-low/--kl-target-high: give both or neither"),
-    (dict(kl_target_low=0.2, kl_target_high=0.1), "--kl-target-low: must be >= 0 and < --kl-target-high"),
+    (dict(beta=-1.0), "beta: must be >= 0 (0 drops the KL term and the reference pass), got -1.0"),
+    (dict(clip_eps_low=1.5), "clip_eps_low: must be in [0, 1), got 1.5"),
+    (dict(clip_eps_high=-0.1), "clip_eps_high: must be >= 0, got -0.1"),
+    (dict(delta=1.2), "delta: must be > 1 + clip_eps_high, got 1.2"),
+    (dict(sapo_temperature_pos=0.0), "sapo_temperature_pos: must be > 0, got 0.0"),
+    (dict(sapo_temperature_neg=-1.0), "sapo_temperature_neg: must be > 0, got -1.0"),
+    (dict(top_entropy_quantile=0.0), "top_entropy_quantile: must be in (0, 1], got 0.0"),
 ]
 
 
 @pytest.mark.parametrize(("settings", "message"), BAD_LOSS_SETTINGS)
-def test_loss_config_check_names_the_flag_and_the_value(settings, message):
+def test_loss_config_check_names_the_field_and_the_value(settings, message):
     with pytest.raises(ValueError) as error:
         grpo.LossConfig(**settings).check()
     assert str(error.value) == message
 
 
-def test_advantage_config_check_names_the_flag_and_the_value_and_defaults_pass():
+def test_advantage_and_sampling_config_checks_name_the_field_and_the_value_and_defaults_pass():
     with pytest.raises(ValueError) as error:
         grpo.AdvantageConfig(adv_clip=0.0).check()
-    assert str(error.value) == "--adv-clip: must be > 0, got 0.0"
+    assert str(error.value) == "adv_clip: must be > 0, got 0.0"
+    with pytest.raises(ValueError) as error:
+        grpo.SamplingConfig(top_p=0.0).check()
+    assert str(error.value) == "top_p: must be in (0, 1], got 0.0"
     grpo.LossConfig().check()
     grpo.AdvantageConfig().check()
-    grpo.LossConfig(delta=4.0, kl_target_low=0.0, kl_target_high=0.1).check()
+    grpo.SamplingConfig().check()
+    grpo.LossConfig(delta=4.0).check()
+
+
+BAD_ADAPTIVE_KL_SETTINGS = [
+    (dict(kl_adapt_factor=1.0), "--kl-adapt-factor: must be > 1, got 1.0"),
+    (dict(kl_target_low=0.1), "--kl-target-low/--kl-target-high: give both or neither"),
+    (dict(kl_target_low=0.2, kl_target_high=0.1), "--kl-target-low: must be >= 0 and < --kl-target-high"),
+]
+
+
+@pytest.mark.parametrize(("settings", "message"), BAD_ADAPTIVE_KL_SETTINGS)
+def test_adaptive_kl_config_check_names_the_flag_and_the_value(settings, message):
+    with pytest.raises(ValueError) as error:
+        adaptive_kl.AdaptiveKLConfig(**settings).check()
+    assert str(error.value) == message
+    adaptive_kl.AdaptiveKLConfig().check()
+    adaptive_kl.AdaptiveKLConfig(kl_target_low=0.0, kl_target_high=0.1).check()

@@ -282,7 +282,7 @@ def test_max_image_pixels_is_bounded_by_pillows_decompression_bomb_limit():
 
 @pytest.fixture
 def adapter(tmp_path, random_vlm) -> Path:
-    lora.inject_lora(random_vlm, lora.LoRAConfig(lora_last_k=2, lora_r=4))
+    lora.inject_lora(random_vlm, r=4, alpha=16.0, last_k=2)
     model_io.save_adapter(random_vlm, tmp_path / "adapter", base_model_name_or_path="tiny")
     return tmp_path / "adapter"
 

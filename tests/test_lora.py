@@ -41,7 +41,7 @@ def randomize_b(model: nn.Module, seed: int = 1) -> None:
 
 def adapted_vlm(last_k: int = 2, seed: int = 0, **kwargs) -> nn.Module:
     model = make_random_vlm(seed=seed, **kwargs)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=last_k, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=last_k)
     randomize_b(model)
     return model
 
@@ -92,7 +92,7 @@ def make_random_qwen3_vl() -> Qwen3VLForConditionalGeneration:
 def test_zero_b_gives_exactly_the_base_logits(make):
     model = make()
     base = logits(model)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=2)
     assert torch.equal(logits(model), base)
     randomize_b(model)
     assert not torch.allclose(logits(model), base)  # the adapters are really in the forward path
@@ -121,7 +121,7 @@ def test_lora_parameters_are_fp32_by_default_and_follow_base_weight_dtype_with_d
 
 def test_injecting_into_an_eval_model_keeps_lora_dropout_off_until_train():
     model = make_random_vlm()  # eval mode
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0, lora_dropout=0.5))
+    lora.inject_lora(model, r=4, alpha=8.0, dropout=0.5, last_k=2)
     randomize_b(model)
     assert torch.equal(logits(model), logits(model))
     model.train()
@@ -171,7 +171,7 @@ def test_unload_gives_standard_keys_and_the_adapted_logits(tmp_path):
 
 def test_only_targets_of_last_k_language_blocks_are_wrapped_and_trainable():
     model = make_random_vlm()
-    names = lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
+    names = lora.inject_lora(model, r=4, alpha=8.0, last_k=2)
     wrapped = {n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)}
     assert set(names) == wrapped and len(names) == 2 * len(TARGETS)
     assert {n.split(".")[3] for n in names} == {"4", "5"}
@@ -197,18 +197,18 @@ def test_gradient_reaches_only_lora_parameters():
 def test_last_k_out_of_range_raises_and_leaves_model_untouched(last_k):
     model = make_random_vlm()
     with pytest.raises(ValueError, match=r"last_k must be in \[1, 6\].*6 blocks"):
-        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=last_k, lora_r=4, lora_alpha=8.0))
+        lora.inject_lora(model, r=4, alpha=8.0, last_k=last_k)
     assert all(p.requires_grad for p in model.parameters())
 
 
 def test_no_matching_target_or_second_injection_raises():
     model = make_random_vlm()
     with pytest.raises(ValueError, match="no nn.Linear named"):
-        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0), targets=("qkv",))
+        lora.inject_lora(model, r=4, alpha=8.0, last_k=1, targets=("qkv",))
     assert all(p.requires_grad for p in model.parameters())
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=1)
     with pytest.raises(ValueError, match="already has LoRA"):
-        lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=4, lora_alpha=8.0))
+        lora.inject_lora(model, r=4, alpha=8.0, last_k=1)
 
 
 @pytest.mark.parametrize("make", [make_random_qwen2_vl, make_random_qwen3_vl])
@@ -218,7 +218,7 @@ def test_decoder_blocks_of_qwen2_vl_and_qwen3_vl_are_the_language_model_layers(m
     assert path == "model.language_model.layers"
     assert blocks is model.model.language_model.layers
     base = logits(model)
-    names = lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
+    names = lora.inject_lora(model, r=2, alpha=4.0, last_k=1)
     assert all(n.startswith("model.language_model.layers.2.") for n in names)
     assert torch.equal(logits(model), base)
 
@@ -286,9 +286,9 @@ def test_blocks_passed_by_hand_adapt_a_gpt_that_transformers_did_not_build():
     idx = torch.randint(0, 32, (2, 8))
     base = gpt(idx)
     with pytest.raises(ValueError, match="cannot find the language decoder blocks of ToyGPT"):
-        lora.inject_lora(gpt, lora.LoRAConfig())  # no transformers layout to find
-    config = lora.LoRAConfig(lora_r=2, lora_alpha=4.0)
-    names = lora.inject_lora(gpt, config, blocks=gpt.transformer.h[-2:], targets=("c_attn", "c_proj", "c_fc"))
+        lora.inject_lora(gpt, r=8, alpha=16.0, last_k=4)  # no transformers layout to find
+    targets = ("c_attn", "c_proj", "c_fc")
+    names = lora.inject_lora(gpt, r=2, alpha=4.0, blocks=gpt.transformer.h[-2:], targets=targets)
     leaves = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     assert (
         names
@@ -310,27 +310,16 @@ def test_blocks_passed_by_hand_adapt_a_gpt_that_transformers_did_not_build():
 def test_a_block_that_is_not_part_of_the_model_is_refused_before_any_change():
     gpt = ToyGPT()
     with pytest.raises(ValueError, match=r"blocks \['ToyBlock'\] are not submodules of ToyGPT"):
-        lora.inject_lora(gpt, lora.LoRAConfig(), blocks=[ToyBlock(16)], targets=("c_fc",))
+        lora.inject_lora(gpt, r=8, alpha=16.0, blocks=[ToyBlock(16)], targets=("c_fc",))
     assert all(p.requires_grad for p in gpt.parameters())
 
 
-# --- settings ---
-
-
-@pytest.mark.parametrize(
-    "setting, message",
-    [
-        ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
-        ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
-        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
-        ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
-    ],
-)
-def test_config_check_names_the_flag_and_the_value(setting, message):
-    lora.LoRAConfig().check()  # the command line's defaults pass
-    with pytest.raises(ValueError) as error:
-        lora.LoRAConfig(**setting).check()
-    assert str(error.value) == message
+def test_injection_takes_exactly_one_of_last_k_and_blocks_before_any_change():
+    gpt = ToyGPT()
+    for where in ({}, {"last_k": 2, "blocks": gpt.transformer.h[-2:]}):
+        with pytest.raises(ValueError, match="give exactly one of last_k .* and blocks"):
+            lora.inject_lora(gpt, r=2, alpha=4.0, **where)
+    assert all(p.requires_grad for p in gpt.parameters()) and not lora.lora_modules(gpt)
 
 
 # --- the disable switch (reference policy) ---
@@ -339,7 +328,7 @@ def test_config_check_names_the_flag_and_the_value(setting, message):
 def test_disabled_adapters_give_base_logits_and_restore_after():
     model = make_random_vlm()
     base = logits(model)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=3, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=3)
     randomize_b(model)
     adapted = logits(model)
     with lora.adapters_disabled(model):
@@ -433,7 +422,7 @@ def test_adapter_from_other_layers_fails(tmp_path):
     with pytest.raises(ValueError, match=r"layers \[4, 5\] out of range.*4 blocks"):
         model_io.load_adapter(make_random_vlm(num_layers=4), tmp_path)
     three = make_random_vlm()
-    lora.inject_lora(three, lora.LoRAConfig(lora_last_k=3, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(three, r=4, alpha=8.0, last_k=3)
     with pytest.raises(ValueError, match=r"different config.*\[3, 4, 5\].*\[4, 5\]"):
         model_io.load_adapter(three, tmp_path)
 
@@ -455,7 +444,7 @@ def test_adapter_with_missing_or_unexpected_key_fails_naming_it(tmp_path):
 def test_peft_loads_our_adapter_and_we_load_peft_s_with_the_same_logits(tmp_path):
     peft = pytest.importorskip("peft")  # not a project dependency; runs only where peft is installed
     model = make_random_vlm()
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0, lora_dropout=0.05))
+    lora.inject_lora(model, r=4, alpha=8.0, dropout=0.05, last_k=2)
     randomize_b(model)
     model_io.save_adapter(model, tmp_path / "ours", base_model_name_or_path="tiny")
     peft_model = peft.PeftModel.from_pretrained(make_random_vlm(), tmp_path / "ours").eval()

@@ -15,7 +15,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 import lora
 import model_io
-from grpo_vlm import memory, speedups, tasks, train
+from grpo_vlm import lora_config, memory, speedups, tasks, train
 
 ROOT = Path(__file__).resolve().parents[1]
 README_SHAPES = dict(rows=64, prompt_len=1200, completion_len=256, last_k=4, lora_r=16, dtype_bytes=2)
@@ -41,7 +41,7 @@ def random_vlm(hidden: int, layers: int, vocab: int, dtype: torch.dtype):
 def measured_step(model, tokenizer, image_processor, args) -> tuple[dict[str, int], dict]:
     """One training step through train.py's functions, the bytes of the tensors it makes tracked phase by
     phase (the weights exist before); also the step's shapes."""
-    lora.inject_lora(model, args.lora)
+    lora_config.inject(model, args.lora)
     run = train.Run(
         model=model, tokenizer=tokenizer, image_processor=image_processor, device=torch.device("cpu")
     )
@@ -171,7 +171,7 @@ def test_on_cuda_the_default_micro_batch_is_chosen_to_fit_and_an_explicit_one_wi
 @pytest.fixture
 def tiny_model():
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
-    lora.inject_lora(model, lora.LoRAConfig())
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
     return model
 
 

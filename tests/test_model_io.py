@@ -136,7 +136,7 @@ def test_a_different_image_changes_the_completion_logprobs(tiny):
 def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_same_tokens(tiny, tmp_path):
     base, tok, ip = tiny
     model = copy.deepcopy(base)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=2)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -178,7 +178,7 @@ def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there(
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_an_adapter_with_nan_or_inf_weights_is_refused_naming_the_file_and_the_tensor(tmp_path, bad):
     model = make_random_causal_lm()
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
+    lora.inject_lora(model, r=2, alpha=4.0, last_k=1)
     model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
     weights = tmp_path / model_io.ADAPTER_WEIGHTS
     tensors = load_file(weights)
@@ -209,7 +209,7 @@ def test_a_fifo_or_folder_named_like_a_checkpoint_file_is_refused_instead_of_blo
     tiny, tmp_path
 ):
     model = copy.deepcopy(tiny[0])
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0))
+    lora.inject_lora(model, r=2, alpha=4.0, last_k=1)
     write = functools.partial(model_io.save_adapter, model, base_model_name_or_path=str(ASSET))
     names = (model_io.ADAPTER_WEIGHTS, model_io.ADAPTER_CONFIG)
     names += (checkpoints.STATE_FILE, checkpoints.OWNER_FILE)

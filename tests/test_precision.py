@@ -39,7 +39,7 @@ def tiny_with_lora(base_dtype: torch.dtype, lora_fp32: bool) -> nn.Module:
     """The shipped tiny VLM, LoRA r=8 on its last 4 blocks, A seeded, B ~ N(0, 0.01^2) from a seed."""
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=base_dtype)
     torch.manual_seed(0)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0, lora_fp32=lora_fp32))
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4, fp32=lora_fp32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -204,7 +204,7 @@ def test_adapters_can_be_kept_in_the_base_dtype_to_save_memory():
     layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0, dtype=None)
     assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=1, lora_r=2, lora_alpha=4.0, lora_fp32=False))
+    lora.inject_lora(model, r=2, alpha=4.0, last_k=1, fp32=False)
     assert {p.dtype for p in lora.lora_parameters(model)} == {torch.bfloat16}
 
 

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:
     """A random model with LoRA in its last K blocks and random (non-zero) B, so the adapters matter."""
     model = make_random_vlm() if kind == "vlm" else make_random_causal_lm()
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=K, lora_r=4, lora_alpha=8.0, lora_dropout=dropout))
+    lora.inject_lora(model, r=4, alpha=8.0, dropout=dropout, last_k=K)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora.lora_parameters(model):
@@ -165,7 +165,7 @@ def test_rows_with_different_images_are_each_encoded_and_match_the_full_forward(
 def test_trunk_capture_refuses_a_trainable_trunk_and_a_bad_block_index():
     model = make_random_causal_lm()
     # LoRA in blocks 1-3: block 1 is in a K = 2 trunk.
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=3, lora_r=2, lora_alpha=2.0))
+    lora.inject_lora(model, r=2, alpha=2.0, last_k=3)
     inputs, ids = text_inputs(group_size=3), hand_completions()
     _, blocks = lora.find_decoder_blocks(model)
     with pytest.raises(ValueError, match="trainable"):
@@ -454,7 +454,7 @@ def test_cuda_graph_is_ignored_with_a_note_where_it_cannot_act(capsys):
 
 def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casting_per_token(monkeypatch):
     model = make_random_causal_lm().to(torch.bfloat16)  # bf16 base, fp32 adapters: a cast on every forward
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=K, lora_r=4, lora_alpha=8.0))
+    lora.inject_lora(model, r=4, alpha=8.0, last_k=K)
     with torch.no_grad():
         for p in lora.lora_parameters(model):
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
@@ -467,9 +467,9 @@ def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casti
     once = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
     assert len(seen) > 2 and all(cast is seen[0] for cast in seen)  # one cast for every forward
     assert seen[0][0].dtype == torch.bfloat16 and adapter.cast is None  # dropped on exit
-    with lora.weights_cast_once(model):
+    with speedups.weights_cast_once(model):
         assert not torch.is_grad_enabled()  # the casts are constants: nothing inside may train A or B
-    monkeypatch.setattr(lora, "weights_cast_once", lambda model: nullcontext())
+    monkeypatch.setattr(speedups, "weights_cast_once", lambda model: nullcontext())
     torch.manual_seed(0)
     per_token = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
     assert torch.equal(once[0], per_token[0]) and torch.equal(once[1], per_token[1])  # a cast is a cast

@@ -55,7 +55,7 @@ def load_tiny_with_lora(seed: int = 0):
         model_io.DEFAULT_MODEL, device=CPU, dtype=torch.float32
     )
     torch.manual_seed(seed)
-    lora.inject_lora(model, lora.LoRAConfig(lora_last_k=4, lora_r=8, lora_alpha=16.0))
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
     return model, tokenizer, image_processor
 
 
@@ -493,8 +493,8 @@ def test_dry_run_changes_no_weight_and_writes_nothing(tmp_path, monkeypatch):
     captured = {}
     real_inject = lora.inject_lora
 
-    def inject_and_snapshot(model, config, **kwargs):
-        names = real_inject(model, config, **kwargs)
+    def inject_and_snapshot(model, **kwargs):
+        names = real_inject(model, **kwargs)
         captured["model"], captured["state"] = model, snapshot(model)
         return names
 

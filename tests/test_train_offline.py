@@ -16,7 +16,7 @@ import grpo
 import lora
 import model_io
 import rewards
-from grpo_vlm import checkpoints, cli
+from grpo_vlm import checkpoints, cli, lora_config
 from scripts import mock_rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -201,7 +201,7 @@ def test_old_logprobs_are_frozen_across_epochs_and_ratio_is_one_at_the_first_ste
         rce_epochs=0,  # every epoch is a GRPO epoch
         lr=1e-2,
         loss=grpo.LossConfig(beta=0.04),
-        lora=lora.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0),
+        lora=lora_config.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0),
     )
     model, logprobs_of, batches, _ = offline.load_inputs(args)
     batches = offline.with_logprobs(model, batches, logprobs_of, "ref_logp", adapters=False)
