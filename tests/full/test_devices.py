@@ -352,7 +352,7 @@ def test_a_training_step_and_an_evaluation_run_wholly_on_the_stand_in_device(tmp
 
 # --- the kernels a run may choose: attention, deterministic algorithms, the process group's timeout ---------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL_FLAGS = ["--device", "cpu", "--train-size", "8", "--eval-size", "0", "--batch-size", "2"]
 SMALL_FLAGS += ["--group-size", "2", "--max-new-tokens", "8", "--steps", "2"]
 

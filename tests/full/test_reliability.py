@@ -25,7 +25,7 @@ import lora
 import model_io
 from grpo_vlm import checkpoints, cli, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
     batch_size=2,
     group_size=2,
@@ -118,7 +118,7 @@ def dying_write(path, content, **kwargs):
         os._exit(9)
     return real_write(path, content, **kwargs)
 files.write_file = dying_write
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from conftest import train_args
 train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
 """

@@ -19,7 +19,7 @@ from conftest import train_args
 import model_io
 from grpo_vlm import checkpoints, cli, logs, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
 FLAGS |= dict(warmup_steps=1, seed=3)
 NO_SPACE = os.strerror(errno.ENOSPC)

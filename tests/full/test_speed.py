@@ -26,7 +26,7 @@ import lora
 from grpo_vlm import speedups, train
 
 K = 2  # adapted blocks
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def lora_model(kind: str, dropout: float = 0.0) -> torch.nn.Module:

@@ -23,7 +23,7 @@ import model_io
 from grpo_vlm import cli, tasks, train
 from scripts import summarize_photos as sp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COLOURS = list(data.COLOURS.values())
 
 # Created in this (scrambled) order; a plain sort would put img10-img12 before IMG2 and upper case first.

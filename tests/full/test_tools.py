@@ -14,7 +14,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 import rewards
 from grpo_vlm import dataset, grounding, scoring, tools
 
-TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
+TINY_CHECKPOINT = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl")
 
 
 def noise(size: tuple[int, int], seed: int = 0) -> Image.Image:
@@ -292,7 +292,7 @@ def test_tool_format_is_the_fraction_of_well_formed_calls_and_zero_without_any(p
 
 # --- the tools asset --------------------------------------------------------------------------------------
 
-TOOLS_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl-tools"
+TOOLS_CHECKPOINT = Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl-tools"
 
 
 def test_the_tools_asset_has_one_token_per_tag_and_renders_a_tool_turn_as_qwen25():

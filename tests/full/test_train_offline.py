@@ -19,7 +19,7 @@ import rewards
 from grpo_vlm import checkpoints, cli, lora_config
 from scripts import mock_rollouts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import train_offline as offline
 
 

@@ -32,7 +32,7 @@ import lora
 import model_io
 from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
 TIMEOUT_S = 120
 

@@ -35,7 +35,7 @@ import model_io
 from grpo_vlm import cli, distributed, files, multiturn, speedups, tasks, tools, train
 from scripts import evaluate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The embedded template, with a tool turn rendered as Qwen2.5's: a user turn inside <tool_response> tags.
 TOOL_TEMPLATE = (
     "{%- for message in messages -%}"

@@ -19,7 +19,7 @@ from conftest import train_args
 
 from grpo_vlm import checkpoints, cli, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
     "--device",
     "cpu",

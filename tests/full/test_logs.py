@@ -12,7 +12,7 @@ from PIL import Image
 
 from grpo_vlm import logs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- rollout records --------------------------------------------------------------------------------------

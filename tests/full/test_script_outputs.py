@@ -20,7 +20,7 @@ from PIL import Image
 from grpo_vlm import cli
 from scripts import evaluate, mock_rollouts, outputs, score_rollouts, summarize_photos, train_offline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [{"prompt_id": f"p{i}", "label": "通过" if i % 2 else "不通过"} for i in range(4)]
 
 

@@ -22,7 +22,7 @@ import model_io
 import rewards
 from grpo_vlm import cli, dataset, scoring, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = scoring.BUILTIN_REWARDS
 TINY = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=8, eval_size=0, eval_every=1000)
 

@@ -17,7 +17,7 @@ import lora
 import model_io
 from grpo_vlm import lora_config, memory, speedups, tasks, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_SHAPES = dict(rows=64, prompt_len=1200, completion_len=256, last_k=4, lora_r=16, dtype_bytes=2)
 
 

@@ -22,7 +22,7 @@ import rewards
 from grpo_vlm import cli
 from scripts import evaluate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_lines(path: Path) -> list[str]:

@@ -11,7 +11,7 @@ import data
 import rewards
 from grpo_vlm import dataset, tasks, tools
 
-TINY_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
+TINY_CHECKPOINT = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl")
 
 
 def fingerprint(samples: list[dict]) -> list[tuple]:

@@ -23,7 +23,7 @@ from conftest import train_args
 import model_io
 from grpo_vlm import checkpoints, cli, lora_config, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=4, max_new_tokens=8, seed=0)
 
 

@@ -283,7 +283,7 @@ def test_resized_size_is_the_image_processors_grid_times_its_patch_size():
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(
-        str(Path(__file__).resolve().parents[1] / "assets" / "tiny-qwen2.5-vl")
+        str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen2.5-vl")
     )
     for original, _, _, _ in CASES:
         batch = processor(images=[Image.new("RGB", original)], return_tensors="np")
