@@ -42,10 +42,11 @@ import model_io
 from grpo_vlm import files
 
 torch.set_num_threads(1)
-# Child processes (`python -m grpo_vlm`, the scripts) find the reference modules and the package wherever
-# their working folder is.
+# Child processes (`python -m grpo_vlm`, the scripts, test files run by torchrun) find the reference
+# modules, the package and these helpers wherever their working folder is.
 ROOT = Path(__file__).resolve().parent.parent
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+TESTS = [str(ROOT), str(ROOT / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*TESTS, os.environ.get("PYTHONPATH")]))
 
 # Token ids of the random VLM (it has no tokenizer; tests write ids directly).
 PAD_ID = 0

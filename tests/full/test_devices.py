@@ -359,7 +359,7 @@ SMALL_FLAGS += ["--group-size", "2", "--max-new-tokens", "8", "--steps", "2"]
 
 def child(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1")  # PYTHONPATH: conftest's
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 

@@ -120,7 +120,7 @@ def fixed_rollout(tmp_path_factory) -> Path:
 
 def torchrun(*argv: str, cwd: Path, succeeds: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1")  # PYTHONPATH: conftest's
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     done = subprocess.run(
         [*command, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False

@@ -36,11 +36,11 @@ from conftest import (
     train_args,
 )
 from test_grpo import hand_completions, sample, text_inputs, vlm_inputs
-from test_speed import SAMPLING, K, assert_same, logprobs_and_grads
 from transformers import AutoImageProcessor, AutoTokenizer
 
 import grpo
 import lora
+from full.test_speed import SAMPLING, K, assert_same, logprobs_and_grads
 from grpo_vlm import cli, speedups, train
 
 G = 3  # completions per prompt: B = 2 prompts, N = 6 rows

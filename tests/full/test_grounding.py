@@ -1,7 +1,7 @@
 """Tests for grounding.py: the same physical box scores the same in every Qwen-VL frame (sizes from
 transformers' own smart_resize), hand-computed rewards, exact matching, and completions that never raise.
 
-`python tests/test_grounding.py` (from the repository root, PYTHONPATH=.) prints the frame test table.
+`PYTHONPATH=.:tests python tests/full/test_grounding.py` (from the repository root) prints the frame table.
 """
 
 import itertools

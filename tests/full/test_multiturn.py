@@ -25,13 +25,13 @@ import pytest
 import torch
 from conftest import TINY_CHECKPOINT, VLM_FAMILIES, lora_model_with_gradients, make_run, train_args
 from PIL import Image
-from test_families import adapted
 from transformers import AutoImageProcessor, AutoTokenizer
 
 import data
 import grpo
 import lora
 import model_io
+from full.test_families import adapted
 from grpo_vlm import cli, distributed, files, multiturn, speedups, tasks, tools, train
 from scripts import evaluate
 

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 from conftest import make_run
-from test_train import load_tiny_with_lora, make_rollout, small_args
 
 import grpo
+from full.test_train import load_tiny_with_lora, make_rollout, small_args
 from grpo_vlm import speedups, tasks, train
 
 PATHS = {  # (shared_prefill, trunk_reuse): whether a log-prob pass reads the rows' pixels

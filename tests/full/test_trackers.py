@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_logs import ROOT, imports, realistic_records, rollout_inputs
 
+from full.test_logs import ROOT, imports, realistic_records, rollout_inputs
 from grpo_vlm import logs, trackers
 
 

@@ -6,7 +6,7 @@ micro-batches whose gradients add up. The reference calls `generate` and runs on
 From the same LoRA weights, prompts and seed both must draw the same completion tokens and give the same
 loss and LoRA gradients, to rounding (<= 1e-5 in fp32), for every variant below.
 
-`PYTHONPATH=. python tests/full/test_trainers_agree.py` prints the differences per variant.
+`PYTHONPATH=.:tests python tests/full/test_trainers_agree.py` prints the differences per variant.
 """
 
 import dataclasses
