@@ -274,13 +274,13 @@ def log(record: dict, file) -> None:
 
 def main(args: Args) -> dict:
     """Set up, loop over `train_step`, evaluate and checkpoint, write the adapter; returns the last record."""
-    torch.manual_seed(args.seed)
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = model_io.resolve_dtype(args.dtype, device)
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     train_samples, held_out = load_samples(args)
     reward_fns = rewards.parse_reward_specs(args.reward, args.reward_weight or None, args.gate)
     rewards.check_needs(train_samples + held_out, reward_fns, locate=data.location)  # a bad line fails now
+    torch.manual_seed(args.seed)  # LoRA's A initialisation, then sampling, draw from this stream
     lora.inject_lora(model, r=args.lora_r, alpha=args.lora_alpha, last_k=args.lora_last_k)  # base frozen
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=0.0)
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
