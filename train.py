@@ -210,7 +210,7 @@ def train_step(
 @torch.no_grad()
 def evaluate(
     model, tokenizer, image_processor, samples: list[dict], reward_fns: list[rewards.Reward], args: Args
-):
+) -> dict[str, float]:
     """Greedy held-out accuracy (the first reward is 1.0) and mean total reward, 50 samples a batch."""
     ends, correct, total = data.end_of_turn_ids(tokenizer, model.generation_config), 0, 0.0
     for i in range(0, len(samples), 50):
