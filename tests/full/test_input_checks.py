@@ -20,7 +20,7 @@ import data
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, dataset, scoring, train
+from grpo_vlm import adapters, cli, dataset, scoring, train
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = scoring.BUILTIN_REWARDS
@@ -323,7 +323,7 @@ def test_a_malformed_adapter_config_is_one_error_naming_the_file_and_field(
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     fresh = type(random_vlm)(random_vlm.config)
     with pytest.raises(ValueError, match=f"^{path}: {message}"):
-        model_io.load_adapter(fresh, adapter)
+        adapters.load_adapter(fresh, adapter)
     assert not lora.lora_modules(fresh)  # the model is untouched
 
 
