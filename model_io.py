@@ -2,14 +2,9 @@
 
 `load_model` makes exactly the `from_pretrained` calls that a Qwen-VL (`AutoModelForImageTextToText`:
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or text-only (`AutoModelForCausalLM`) checkpoint needs, so the tiny model
-in `assets/` tests the real loading path offline. lora.py's adapters are written in PEFT's on-disk format,
-so `peft.PeftModel.from_pretrained(base, dir)` reads ours, and we read PEFT's (plain LoRA options only).
-
-Choices:
-- An adapter's two files are written by the caller's `write` (a plain write by default); a file to read must
-  be a regular one (a FIFO would block the read).
-- An adapter is refused, before the model changes, when it uses a PEFT option lora.py lacks, when its keys or
-  shapes do not match the model's layers, or when it holds NaN or inf values.
+in `assets/` tests the real loading path offline. Adapters are in PEFT's on-disk format (PEFT reads ours, we
+read its plain LoRA), refused before the model changes when they use a PEFT option lora.py lacks, when their
+keys or shapes do not match the model's layers, or when they hold NaN or inf values.
 """
 
 import json
@@ -21,6 +16,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
+from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 
@@ -60,9 +56,8 @@ def load_model(
         raise ValueError(f"cannot load a model config from {name_or_path!r}: {e}") from e
     is_vlm = getattr(config, "vision_config", None) is not None
     model_class = transformers.AutoModelForImageTextToText if is_vlm else transformers.AutoModelForCausalLM
-    attention = dict(attn_implementation=attn_implementation)  # None: transformers' choice
-    model = model_class.from_pretrained(name_or_path, dtype=dtype, **attention).to(device)
-    model.requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
+    model = model_class.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
     model.eval()  # NOTE: no dropout in the base; LoRA dropout is switched by the trainer explicitly
     tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
@@ -72,9 +67,7 @@ def load_model(
     return model, tokenizer, image_processor
 
 
-def cosine_with_warmup(
-    optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
+def cosine_with_warmup(optimizer: torch.optim.Optimizer, *, warmup_steps: int, total_steps: int) -> LambdaLR:
     """Linear warm-up to the peak learning rate over warmup_steps, then a cosine decay to 0 at total_steps."""
 
     def factor(step: int) -> float:
@@ -83,21 +76,13 @@ def cosine_with_warmup(
         progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
         return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return LambdaLR(optimizer, factor)
 
 
 # --- LoRA adapters in PEFT's format -------------------------------------------------------------------------
-def regular_file(path: str | Path) -> Path:
-    """`path`, refused unless a regular file: opening a FIFO would wait for a writer, deaf to signals."""
-    if (path := Path(path)).exists() and not path.is_file():  # is_file: stat.S_ISREG
-        raise ValueError(f"{path} is not a regular file; refusing to read it")
-    return path
-
-
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
-Write = Callable[[Path, bytes], object]  # how save_adapter writes a file: path, its whole content
 
 
 def _hyperparameters(model: torch.nn.Module) -> dict:
@@ -122,7 +107,7 @@ def save_adapter(
     directory: str | Path,
     *,
     base_model_name_or_path: str,
-    write: Write = Path.write_bytes,
+    write: Callable[[Path, bytes], object] = Path.write_bytes,
 ) -> None:
     """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each by `write(path, bytes)`:
     a plain write by default (the package passes its whole-file `atomic_write`)."""
@@ -135,40 +120,7 @@ def save_adapter(
     write(Path(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
 
 
-def _read_adapter_config(path: Path) -> dict:
-    """adapter_config.json as a dict whose fields lora.py can load; anything else is a ValueError naming the
-    file and the field."""
-    try:
-        config = json.loads(regular_file(path).read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: must hold a JSON object, got {type(config).__name__}")  # noqa: TRY004
-    _check_loadable(path, config)
-    fields = {
-        "r": (lambda v: type(v) is int and v > 0, "a positive int"),
-        "lora_alpha": (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
-        "target_modules": (
-            lambda v: bool(v) and all(isinstance(m, str) for m in v),
-            "a list of module names",
-        ),
-        "lora_dropout": (lambda v: type(v) in (int, float) and 0 <= v < 1, "a number in [0, 1)"),
-        "layers_to_transform": (
-            lambda v: type(v) is int or isinstance(v, list) and all(type(i) is int for i in v),
-            "null, a layer index or a list of them",
-        ),
-    }
-    config = {"lora_dropout": 0.0, "layers_to_transform": None} | config  # PEFT's defaults
-    for field, (ok, expected) in fields.items():
-        if field not in config:
-            raise ValueError(f"{path}: {field}: missing (expected {expected})")
-        value = config[field]
-        if not (ok(value) or value is None and field == "layers_to_transform"):  # None: every layer
-            raise ValueError(f"{path}: {field}: expected {expected}, got {value!r}")
-    return config
-
-
-def _check_loadable(path: Path, config: dict) -> None:
+def check_loadable(path: Path, config: dict) -> None:
     """Refuse PEFT options lora.py lacks (rslora scales by alpha / sqrt(r)) rather than load them wrongly."""
     options = ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
     bad = {k: config[k] for k in options if config.get(k)}
@@ -180,17 +132,20 @@ def _check_loadable(path: Path, config: dict) -> None:
         raise ValueError(f"{path}: uses options lora.py does not implement: {bad}")
 
 
-def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bool = True) -> list[str]:
-    """Load a PEFT LoRA adapter strictly, injecting it first if the model has none; return the wrapped names.
-    Every check runs before the model changes, so a failed load leaves it intact. The tensors take the LoRA
+def load_adapter(
+    model: torch.nn.Module, directory: str | Path, *, config: dict | None = None, lora_fp32: bool = True
+) -> list[str]:
+    """Load a PEFT LoRA adapter (`config`: its adapter_config.json, if already read), injecting LoRA if the
+    model has none; return the wrapped names. A failed load leaves the model intact. The tensors take the LoRA
     weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
-    config = _read_adapter_config(Path(directory, ADAPTER_CONFIG))
+    file = Path(directory, ADAPTER_CONFIG)
+    check_loadable(file, config := json.loads(file.read_text(encoding="utf-8")) if config is None else config)
     r, alpha, targets = config["r"], float(config["lora_alpha"]), tuple(config["target_modules"])
     path, blocks = lora.find_decoder_blocks(model)
     layers = config.get("layers_to_transform")  # PEFT's None: every layer
     layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
     try:
-        tensors = load_file(weights := regular_file(Path(directory, ADAPTER_WEIGHTS)))
+        tensors = load_file(weights := Path(directory, ADAPTER_WEIGHTS))
     except SafetensorError as e:  # NOTE: torn, emptied or not safetensors at all
         raise ValueError(f"{weights}: unreadable ({e}); is it damaged or cut short?") from None
     if modules := lora.lora_modules(model):
@@ -218,14 +173,8 @@ def load_adapter(model: torch.nn.Module, directory: str | Path, *, lora_fp32: bo
         if not tensors[key].isfinite().all():  # NOTE: a diverged run's weights would train or sample garbage
             raise ValueError(f"{weights}: {key!r} holds NaN or inf values; refusing to load it")
     if not modules:
-        dropout = float(config.get("lora_dropout", 0.0))
-        lora.inject_lora(
-            model, r=r, alpha=alpha, dropout=dropout, blocks=adapted, targets=targets, fp32=lora_fp32
-        )
-        modules = lora.lora_modules(model)
-    with torch.no_grad():
-        for name, m in modules.items():
-            for part in ("lora_A", "lora_B"):
-                w = getattr(m, part).weight
-                w.copy_(tensors[f"{_PEFT_PREFIX}{name}.{part}.weight"].to(device=w.device, dtype=w.dtype))
-    return list(modules)
+        dropout, fp32 = float(config.get("lora_dropout", 0.0)), lora_fp32
+        lora.inject_lora(model, r=r, alpha=alpha, dropout=dropout, blocks=adapted, targets=targets, fp32=fp32)
+    # Keys and shapes checked above; load_state_dict copies each tensor into its weight's dtype and device.
+    model.load_state_dict({k.removeprefix(_PEFT_PREFIX): v for k, v in tensors.items()}, strict=False)
+    return list(lora.lora_modules(model))

@@ -1,18 +1,10 @@
 """Rewards for GRPO: plain functions `fn(completion, sample) -> float`, `score` to combine them, plug-ins.
 
-`sample` is the dataset's dict, passed through untouched: a reward reads the ground truth it needs
-(`sample["label"]`, `sample["answer"]`). Built-ins (`BUILTIN_REWARDS`, each 1.0 or 0.0 as its docstring
-says): label, format, exact_match, answer_match, numeric_match, think_answer_format, and overlong (DAPO's soft
-penalty, <= 0). Verdicts: 通过 ≡ pass, 不通过 ≡ fail. A malformed completion earns 0; malformed ground truth
-raises ValueError (a silent 0 would hide a broken dataset), and `check_needs` finds it when the data loads,
-from the fields each reward declares with `@needs(label=...)`.
-
-`score`: total = sum(weight * value), but 0 where any gate reward is <= 0 (no credit for a right verdict in
-a broken format; so gates should be 0/1 rewards). A value that is no finite float32 number raises
-RewardValueError; what a reward raises gets a note naming it and the completion. Plug-ins
-(`module:function`, `path/to/file.py:function`) take (completion, sample) positionally; a keyword-only
-`completion_length` receives the token count. Standard library only: copy it alone. The full trainer
-(grpo_vlm) adds grounding and tool rewards, time limits and one-line failure messages.
+Built-ins (`BUILTIN_REWARDS`): label, format, exact_match, answer_match, numeric_match, think_answer_format
+(1.0 or 0.0) and overlong (DAPO's soft penalty, <= 0). `sample` is the dataset's dict: a malformed completion
+earns 0, malformed ground truth raises ValueError (a silent 0 would hide a broken dataset), found when the
+data loads (`check_needs`). `score`: sum(weight * value), but 0 where a gate reward is <= 0 (no credit for a
+right verdict in a broken format). Plug-ins: `module:function`, `path/to/file.py:function`. Stdlib only.
 """
 
 import dataclasses
@@ -58,9 +50,8 @@ def needs(**fields: type | tuple[type, ...] | Callable[[Any], Any]) -> Callable[
 
 def _verdict(label: Any) -> None:
     if not (isinstance(label, str) and label.strip().casefold() in _VERDICTS):
-        raise ValueError(
-            f"needs a verdict, one of {sorted(_VERDICTS)}; got {label!r} ({type(label).__name__})"
-        )
+        got = f"{label!r} ({type(label).__name__})"
+        raise ValueError(f"needs a verdict, one of {sorted(_VERDICTS)}; got {got}")
 
 
 def _number(answer: Any) -> None:
@@ -110,10 +101,8 @@ def _normalise_answer(text: str) -> str:
 
 @needs(answer=(str, int, float))
 def answer_match(completion: str, sample: Mapping[str, Any]) -> float:
-    """1.0 if the normalised answer text equals the normalised sample["answer"], else 0.0. Normalised: NFKC
-    (full-width letters and digits become ASCII), casefold, whitespace runs -> one space, whitespace and
-    punctuation (category P*, `%` included) stripped at both ends; symbols (`$`, `+`) and inner punctuation
-    stay."""
+    """1.0 if the answer text equals sample["answer"], both normalised (NFKC: full-width -> ASCII; casefold;
+    one space per whitespace run; whitespace and punctuation P*, `%` too, off both ends), else 0.0."""
     return float(_normalise_answer(_answer_text(completion)) == _normalise_answer(str(sample["answer"])))
 
 
@@ -142,9 +131,8 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
 def overlong_penalty(
     completion: str, sample: Mapping[str, Any], *, completion_length: int, max_length: int, cache_length: int
 ) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 if L <= L_max -
-    L_cache, ((L_max - L_cache) - L) / L_cache up to L_max, -1 beyond; L_max = `max_length` and L_cache =
-    `cache_length` have no defaults (bind them with `load_reward("overlong", max_length=..., ...)`)."""
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 up to L_max - L_cache,
+    then ((L_max - L_cache) - L) / L_cache, -1 beyond L_max (bind max_length, cache_length when loading)."""
     if not 0 <= cache_length <= max_length:
         raise ValueError(f"need 0 <= cache_length <= max_length, got {cache_length=} {max_length=}")
     soft_limit = max_length - cache_length
@@ -203,9 +191,9 @@ def score(
     completion_lengths: Sequence[int] | None = None,
     call: Callable[[Reward, int, str, Mapping[str, Any], dict[str, Any]], Any] | None = None,
 ) -> Scores:
-    """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates.
-    `call(r, index, completion, sample, kwargs)` makes each call (default: `r.fn(completion, sample,
-    **kwargs)`); the value it returns is checked here."""
+    """Evaluate every reward on every (completion, sample) pair and combine them with weights and gates. A
+    keyword-only `completion_length` gets the token count. `call(r, index, completion, sample, kwargs)` makes
+    each call (default: `r.fn(completion, sample, **kwargs)`); the value it returns is checked here."""
     n = len(completions)
     for what, given in (("samples", samples), ("completion_lengths", completion_lengths)):
         if given is not None and len(given) != n:
@@ -225,11 +213,9 @@ def score(
                 e.add_note(f"raised by reward {r.name!r} on {describe_completion(i, sample)}")
                 raise
             if isinstance(value, bool) or not (isinstance(value, Real) and abs(value) <= 3.4028235e38):
-                got = f"{value!r} ({type(value).__name__}) for {describe_completion(i, sample)}"
-                raise RewardValueError(
-                    f"reward {r.name!r} returned {got}; "
-                    "rewards must return a finite int or float that float32 holds (|value| <= 3.4028235e38)"
-                )
+                got = f"returned {value!r} ({type(value).__name__}) for {describe_completion(i, sample)}"
+                rule = "must return a finite int or float that float32 holds (|value| <= 3.4028235e38)"
+                raise RewardValueError(f"reward {r.name!r} {got}; rewards {rule}")
             components[r.name].append(float(value))
     gate_failed = {r.name: [v <= 0 for v in components[r.name]] for r in rewards if r.gate}
     weighted = [float(sum(r.weight * components[r.name][i] for r in rewards)) for i in range(n)]  # (N,)
@@ -237,16 +223,14 @@ def score(
     return Scores(total=total, components=components, gate_failed=gate_failed)
 
 
-def _field_problem(sample: Mapping[str, Any], field: str, kind: Any) -> str | None:
-    """What is wrong with sample[field] for a reward that declares `field: kind` (`needs`), or None."""
-    if field not in sample:
+def _field_problem(sample: Mapping[str, Any], field: str | None, kind: Any) -> str | None:
+    """What is wrong with sample[field] (None: the whole sample) for a reward that `needs` it, or None."""
+    if field is not None and field not in sample:
         return "needs this field; the sample has none"
-    value = sample[field]
+    value = sample if field is None else sample[field]
     if isinstance(kind, type | tuple):
-        if isinstance(value, kind):
-            return None
         names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
-        return f"needs {names}, got {value!r} ({type(value).__name__})"
+        return None if isinstance(value, kind) else f"needs {names}, got {value!r} ({type(value).__name__})"
     try:
         kind(value)
     except (TypeError, ValueError) as e:
@@ -260,32 +244,23 @@ def check_needs(
     *,
     locate: Callable[[Mapping[str, Any]], str] = lambda sample: f"sample {sample.get('id', '?')!r}",
 ) -> None:
-    """Check every sample against the fields each reward declares (`needs`), so that a broken dataset fails
-    when it loads, not at the step that first draws the bad sample. A declaration is a dict (field -> type,
-    tuple of types or check) or a function of the whole sample that raises ValueError; a reward without one
-    is not checked. ValueError: "data.jsonl:5: label: reward 'label': needs a verdict, ..." (`locate`)."""
+    """Check every sample against each reward's `needs` (or a check of the whole sample) when the data loads,
+    not at the step that first draws it: ValueError "data.jsonl:5: label: reward 'label': needs a verdict"."""
     for r in rewards:
-        declared = getattr(getattr(r.fn, "func", r.fn), "needs", None)  # a functools.partial: its function's
-        for sample in samples if declared is not None else ():
-            if callable(declared):
-                try:
-                    declared(sample)
-                except (TypeError, ValueError) as e:
-                    raise ValueError(f"{locate(sample)}: reward {r.name!r}: {e}") from None
-                continue
-            for field, kind in declared.items():
+        declared = getattr(getattr(r.fn, "func", r.fn), "needs", None) or {}  # a functools.partial: its fn's
+        for sample in samples:
+            for field, kind in ({None: declared} if callable(declared) else declared).items():
                 if (problem := _field_problem(sample, field, kind)) is not None:
-                    raise ValueError(f"{locate(sample)}: {field}: reward {r.name!r}: {problem}")
+                    where = f"{locate(sample)}: {field}:" if field is not None else f"{locate(sample)}:"
+                    raise ValueError(f"{where} reward {r.name!r}: {problem}")
 
 
-def import_plugin(module_spec: str, attr: str, *, kind: str = "reward") -> Any:
-    """Import `pkg.mod` from sys.path, or execute `path/to/file.py` as a fresh module (for the `kind` `attr`:
-    a reward, or a tool of tools.py)."""
+def import_plugin(module_spec: str, *, kind: str = "reward") -> Any:
+    """Import `pkg.mod` from sys.path, or run `path/to/file.py` as a fresh module (`kind`: what it holds)."""
     if module_spec.endswith(".py") or "/" in module_spec or os.sep in module_spec:
         if not os.path.isfile(module_spec):
             raise ValueError(f"{kind} file {module_spec!r} does not exist")
-        # NOTE: a private module name, so a user file called e.g. "rewards.py" cannot replace this module
-        # in sys.modules; it is registered there because dataclasses and pickling look modules up by name.
+        # NOTE: in sys.modules (dataclasses, pickle look it up) under a private name: no user file clashes.
         name = f"_{kind}_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
         spec = importlib.util.spec_from_file_location(name, module_spec)
         assert spec is not None and spec.loader is not None  # None for a suffix Python cannot import
@@ -294,10 +269,6 @@ def import_plugin(module_spec: str, attr: str, *, kind: str = "reward") -> Any:
             spec.loader.exec_module(module)
         except BaseException as e:  # leave no half-initialised module behind, whatever the module raised
             del sys.modules[name]
-            # NOTE: exactly these types are the file's own doing; a signal arrives as cli.Stopped and passes.
-            if type(e) in (SystemExit, KeyboardInterrupt):
-                did = f"called sys.exit({e.code!r})" if type(e) is SystemExit else "raised KeyboardInterrupt"
-                raise ValueError(f"{module_spec}:{attr}: the plug-in file {did} while it was imported") from e
             if not isinstance(e, ImportError | SyntaxError):
                 raise
             raise ValueError(f"could not import {kind} file {module_spec!r}: {e}") from e
@@ -310,23 +281,19 @@ def import_plugin(module_spec: str, attr: str, *, kind: str = "reward") -> Any:
         raise ValueError(f"could not import {kind} module {module_spec!r}: {e}{hint}") from e
 
 
-def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **bind: Any) -> RewardFn:
-    """A built-in by name (from `builtins`, default BUILTIN_REWARDS), or a plug-in `module:function` /
-    `path/to/file.py:function`, with keyword arguments bound by functools.partial (`load_reward("overlong",
+def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] = BUILTIN_REWARDS, **bind: Any) -> RewardFn:
+    """A built-in by name (from `builtins`) or a plug-in, keyword arguments bound (`load_reward("overlong",
     max_length=1024, cache_length=256)`). Every problem is a ValueError fit for a command line."""
-    builtins = BUILTIN_REWARDS if builtins is None else builtins
     if ":" not in spec:
         if spec not in builtins:
-            raise ValueError(
-                f"unknown reward {spec!r}; built-ins are {', '.join(builtins)}, "
-                "or give a plug-in as module:function or path/to/file.py:function"
-            )
+            plugin = "or give a plug-in as module:function or path/to/file.py:function"
+            raise ValueError(f"unknown reward {spec!r}; built-ins are {', '.join(builtins)}, {plugin}")
         fn = builtins[spec]
     else:
         module_spec, _, attr = spec.rpartition(":")
         if not module_spec or not attr:
             raise ValueError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
-        module = import_plugin(module_spec, attr)
+        module = import_plugin(module_spec)
         if not hasattr(module, attr):
             raise ValueError(f"reward module {module_spec!r} has no attribute {attr!r}")
         fn = getattr(module, attr)
@@ -340,29 +307,6 @@ def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] | None = None, **
     try:  # exactly how score() will call it
         sig.bind("completion", {}, **({"completion_length": 0} if _wants_completion_length(fn) else {}))
     except TypeError as e:
-        raise ValueError(
-            f"reward {spec!r} has signature {sig}, but must accept (completion, sample) positionally; "
-            f"other parameters need defaults or must be bound when loading ({e})"
-        ) from e
+        how = f"reward {spec!r} has signature {sig}, but must accept (completion, sample) positionally"
+        raise ValueError(f"{how}; other parameters need defaults or must be bound when loading ({e})") from e
     return fn
-
-
-def parse_reward_specs(
-    specs: Sequence[str],
-    weights: Sequence[float] | None = None,
-    gates: Sequence[str] | None = None,
-    builtins: Mapping[str, RewardFn] | None = None,
-) -> list[Reward]:
-    """Command-line lists -> Rewards named by their specs; `weights` default to 1.0 each. Rewards needing
-    bound arguments (overlong) are built by the caller with load_reward(..., **bind)."""
-    weights = [1.0] * len(specs) if weights is None else list(weights)
-    if len(weights) != len(specs):
-        raise ValueError(f"got {len(specs)} rewards but {len(weights)} weights")
-    if len(set(specs)) != len(specs):
-        raise ValueError(f"rewards must be unique, got {list(specs)}")
-    gates = list(gates or [])
-    if unknown := [g for g in gates if g not in specs]:
-        raise ValueError(f"gates {unknown} are not among the rewards {list(specs)}")
-    return [
-        Reward(s, load_reward(s, builtins=builtins), float(w), s in gates) for s, w in zip(specs, weights)
-    ]

@@ -266,10 +266,8 @@ def log(record: dict, file) -> None:
     """One line of metrics.jsonl, and a progress line for the terminal."""
     print(json.dumps(record), file=file, flush=True)
     shown = {"reward": "reward/mean", "kl": "kl", "acc": "eval/accuracy"}
-    print(
-        f"step {record['step']:4d}"
-        + "".join(f"  {k} {record[v]:.3g}" for k, v in shown.items() if v in record)
-    )
+    values = "".join(f"  {k} {record[v]:.3g}" for k, v in shown.items() if v in record)
+    print(f"step {record['step']:4d}{values}")
 
 
 def main(args: Args) -> dict:
@@ -278,7 +276,10 @@ def main(args: Args) -> dict:
     dtype = model_io.resolve_dtype(args.dtype, device)
     model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
     train_samples, held_out = load_samples(args)
-    reward_fns = rewards.parse_reward_specs(args.reward, args.reward_weight or None, args.gate)
+    if unknown := sorted(set(args.gate) - set(args.reward)):
+        raise ValueError(f"--gate: {unknown} are not among the rewards {list(args.reward)}")
+    weights = zip(args.reward, args.reward_weight or [1.0] * len(args.reward), strict=True)  # one per reward
+    reward_fns = [rewards.Reward(r, rewards.load_reward(r), w, r in args.gate) for r, w in weights]
     rewards.check_needs(train_samples + held_out, reward_fns, locate=data.location)  # a bad line fails now
     torch.manual_seed(args.seed)  # LoRA's A initialisation, then sampling, draw from this stream
     lora.inject_lora(model, r=args.lora_r, alpha=args.lora_alpha, last_k=args.lora_last_k)  # base frozen

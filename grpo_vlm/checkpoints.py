@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import model_io
 from grpo_vlm import cli, files
 
 # --- Checkpoints --------------------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ def verify_checkpoint(directory: str | Path) -> str | None:
     if not (path := directory / OWNER_FILE).exists():
         return None
     try:
-        listed = json.loads(model_io.regular_file(path).read_text(encoding="utf-8")).get("files")
+        listed = json.loads(files.regular_file(path).read_text(encoding="utf-8")).get("files")
         for name, record in (listed or {}).items():
             want = int(record["bytes"]), str(record["sha256"])
             if not (f := directory / name).exists():
@@ -182,7 +181,7 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = 
 
 def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     """Read `trainer_state.pt` of a checkpoint folder, plain data only (the caller loads the adapter)."""
-    path = model_io.regular_file(Path(directory) / STATE_FILE)
+    path = files.regular_file(Path(directory) / STATE_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
     try:
@@ -227,7 +226,7 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
         last = max(int(damaged[0][0].name.split("-")[-1]), state["step"] + 1)
         redo = f"step {last}" if last == state["step"] + 1 else f"steps {state['step'] + 1}-{last}"
         report += f"; resuming from {checkpoint.name}: {redo} will be redone"
-    run_json = model_io.regular_file(out / "run.json")
+    run_json = files.regular_file(out / "run.json")
     owner = json.loads(run_json.read_text(encoding="utf-8")).get("run_id") if run_json.exists() else None
     run_id = state.get("run_id") or owner or uuid.uuid4().hex  # an older checkpoint may name no run
     if owner not in (None, run_id):
@@ -272,7 +271,7 @@ def make_run_folder(out: Path) -> Path | None:
 def read_run_record(out: Path) -> dict | None:
     """run.json of `out` ({"run_id", "args"}), None when there is none; a ValueError naming it when it is not
     this project's record."""
-    path = model_io.regular_file(out / "run.json")
+    path = files.regular_file(out / "run.json")
     if not path.exists():
         return None
     record = None
@@ -348,7 +347,7 @@ def check_run_folder(out: Path, *, resume: str | None, overwrite: bool) -> str:
 def trim_jsonl(path: Path, last_step: int) -> None:
     """Keep only the lines whose "step" is <= last_step (absent file: no-op). Lines that are not a JSON object
     with a numeric "step" go too: in an append-only file that is a torn last line, cut by a crash."""
-    if not (path := model_io.regular_file(path)).exists():
+    if not (path := files.regular_file(path)).exists():
         return
     kept = []
     for raw in path.read_bytes().split(b"\n"):

@@ -93,6 +93,19 @@ def user_errors(prefix: str = "") -> Iterator[None]:
 
 
 @contextmanager
+def plugin_import(spec: str) -> Iterator[None]:
+    """Inside, a plug-in that calls sys.exit() or raises KeyboardInterrupt while it is imported fails as a
+    ValueError naming `spec` (its failure: exit 2, not the status it asked for); a signal (Stopped) passes."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt) as e:
+        if type(e) not in (SystemExit, KeyboardInterrupt):  # NOTE: exactly these: Stopped is a SystemExit
+            raise
+        did = f"called sys.exit({e.code!r})" if type(e) is SystemExit else "raised KeyboardInterrupt"
+        raise ValueError(f"{spec}: the plug-in file {did} while it was imported") from e
+
+
+@contextmanager
 def fields_as_flags(*groups: Any) -> Iterator[None]:
     """Inside, a ValueError that names settings of the dataclass instances `groups` by field, as the reference
     modules' configs do (`clip_eps_low: must be in [0, 1), got 1.5`), becomes a UsageError that names them

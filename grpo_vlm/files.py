@@ -4,13 +4,20 @@ Choices:
 - Every file is written whole (`atomic_write`: a temporary file beside it, fsynced, then renamed over the old
   one), and a failed write's OSError names the file (the kernel's names none). checkpoints.py writes through
   these, and the trainer passes `atomic_write` to `model_io.save_adapter`. A file to read must be a regular
-  one (`model_io.regular_file`).
+  one (`regular_file`: a FIFO would block the read).
 - `save_model` writes a whole model folder as `from_pretrained` reads it (merge first: `lora.unload_lora`).
 """
 
 import os
 import uuid
 from pathlib import Path
+
+
+def regular_file(path: str | Path) -> Path:
+    """`path`, refused unless a regular file: opening a FIFO would wait for a writer, deaf to signals."""
+    if (path := Path(path)).exists() and not path.is_file():  # is_file: stat.S_ISREG
+        raise ValueError(f"{path} is not a regular file; refusing to read it")
+    return path
 
 
 def write_file(path: Path, content: bytes, *, name: str | Path | None = None) -> None:

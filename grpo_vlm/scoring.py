@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import rewards
-from grpo_vlm import grounding, tools
+from grpo_vlm import cli, grounding, tools
 
 # --reward's names: the reference's built-ins, then the tools' and grounding's rewards.
 BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
@@ -85,18 +85,26 @@ def rewards_from_flags(
     gates: Sequence[str] = (),
     builtins: Mapping[str, rewards.RewardFn] | None = None,
 ) -> list[rewards.Reward]:
-    """--reward, --reward-weight and --gate, as every command of this project reads them: parse_reward_specs
-    over `builtins` (default BUILTIN_REWARDS), each mistake a ValueError whose message starts with the flag
-    at fault."""
+    """--reward, --reward-weight and --gate, as every command of this project reads them: a rewards.Reward per
+    name (rewards.load_reward over `builtins`, default BUILTIN_REWARDS), weights default 1.0 each, each
+    mistake a ValueError whose message starts with the flag at fault. Rewards needing bound arguments
+    (overlong) are built by the caller with load_reward(..., **bind)."""
     if weights and len(weights) != len(names):
         raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
     if unknown := sorted(set(gates) - set(names)):
         raise ValueError(f"--gate: {unknown} are not among the rewards {list(names)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--reward: rewards must be unique, got {list(names)}")
     builtins = BUILTIN_REWARDS if builtins is None else builtins
-    try:
-        return rewards.parse_reward_specs(list(names), list(weights) or None, list(gates) or None, builtins)
-    except ValueError as e:  # a plug-in that does not import, a name that is no reward: --reward's fault
-        raise ValueError(f"--reward: {e}") from e
+    loaded = []
+    for name, weight in zip(names, list(weights) or [1.0] * len(names), strict=True):
+        try:  # a plug-in that does not import, a name that is no reward: --reward's fault
+            with cli.plugin_import(name):
+                fn = rewards.load_reward(name, builtins=builtins)
+        except ValueError as e:
+            raise ValueError(f"--reward: {e}") from e
+        loaded.append(rewards.Reward(name, fn, float(weight), name in gates))
+    return loaded
 
 
 class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it

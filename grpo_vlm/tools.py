@@ -52,7 +52,7 @@ from PIL import Image
 
 import data
 import rewards
-from grpo_vlm import dataset, grounding
+from grpo_vlm import cli, dataset, grounding
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # each ONE token in Qwen tokenizers
 ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")
@@ -207,7 +207,8 @@ def load_tools(names: Sequence[str]) -> dict[str, Tool]:
                     f"--tools: {spec!r} must look like module:function or path/to/file.py:function"
                 )
             try:
-                module = rewards.import_plugin(module_spec, name, kind="tool")
+                with cli.plugin_import(spec):
+                    module = rewards.import_plugin(module_spec, kind="tool")
             except ValueError as e:
                 raise ValueError(f"--tools: {e}") from e
             fn = getattr(module, name, None)

@@ -45,6 +45,7 @@ import lora
 import model_io
 import rewards
 from grpo_vlm import (
+    adapters,
     adaptive_kl,
     checkpoints,
     cli,
@@ -708,7 +709,7 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
         checkpoint, state, run_id, report = checkpoints.checkpoint_to_resume(path, out)
     print_if(run.rank == 0 and report is not None, f"warning: {report}")
     with cli.user_errors(f"--resume {checkpoint}: "):
-        model_io.load_adapter(run.model, checkpoint)
+        adapters.load_adapter(run.model, checkpoint)
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     checkpoints.set_rng_state(state["rng"])

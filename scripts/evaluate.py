@@ -72,7 +72,18 @@ import grpo
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, dataset, distributed, grounding, multiturn, scoring, speedups, tasks, tools
+from grpo_vlm import (
+    adapters,
+    cli,
+    dataset,
+    distributed,
+    grounding,
+    multiturn,
+    scoring,
+    speedups,
+    tasks,
+    tools,
+)
 from scripts import outputs
 
 
@@ -450,7 +461,7 @@ def load_model(args: Args, device: torch.device):
         dataset.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
-            model_io.load_adapter(model, args.adapter)
+            adapters.load_adapter(model, args.adapter)
     return model.eval(), tokenizer, image_processor
 
 

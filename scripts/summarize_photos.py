@@ -85,7 +85,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import cli, dataset, distributed, speedups
+from grpo_vlm import adapters, cli, dataset, distributed, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
@@ -432,7 +432,7 @@ def load_model(args: Args, device: torch.device):
     )
     if args.adapter:
         with cli.user_errors(f"--adapter {args.adapter}: "):  # e.g. made for another model (keys, shapes)
-            model_io.load_adapter(model, args.adapter)
+            adapters.load_adapter(model, args.adapter)
     return model.eval(), tokenizer, image_processor
 
 

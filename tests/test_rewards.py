@@ -16,7 +16,6 @@ from rewards import (
     load_reward,
     numeric_match,
     overlong_penalty,
-    parse_reward_specs,
     score,
     think_answer_format,
 )
@@ -430,20 +429,6 @@ def test_wrong_signature_is_reported(plugin_dir):
 def test_incomplete_plugin_spec_is_reported(spec):
     with pytest.raises(ValueError, match="must look like module:function"):
         load_reward(spec)
-
-
-def test_parse_reward_specs_builds_weighted_gated_rewards():
-    rs = parse_reward_specs(["format", "label"], [0.5, 1.0], ["format"])
-    assert rs == [Reward("format", format_reward, 0.5, True), Reward("label", label_reward, 1.0, False)]
-
-
-@pytest.mark.parametrize(
-    "weights, gates, message",
-    [([1.0], None, "2 rewards but 1 weights"), (None, ["iou"], r"gates \['iou'\] are not among")],
-)
-def test_parse_reward_specs_rejects_inconsistent_lists(weights, gates, message):
-    with pytest.raises(ValueError, match=message):
-        parse_reward_specs(["format", "label"], weights, gates)
 
 
 # --- portability ------------------------------------------------------------------------------------------

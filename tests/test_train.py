@@ -7,6 +7,7 @@ continues exactly where an uninterrupted one would be.
 
 import json
 
+import pytest
 import torch
 
 import data
@@ -29,8 +30,9 @@ def test_a_step_changes_the_lora_weights_only_and_reports_its_metrics():
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-2)
     args = train.Args(**TINY)
     samples = data.inspection_samples(2, seed=0)
+    reward_fns = [rewards.Reward(r, rewards.load_reward(r)) for r in args.reward]
     metrics, completion_ids = train.train_step(
-        model, tokenizer, image_processor, samples, rewards.parse_reward_specs(args.reward), optimizer, args
+        model, tokenizer, image_processor, samples, reward_fns, optimizer, args
     )
     assert completion_ids.shape == (4, completion_ids.shape[1]) and completion_ids.shape[1] <= 8
     for key in ("loss", "grad_norm", "kl", "reward/mean", "reward/label/mean", "entropy", "frac_truncated"):
@@ -80,3 +82,15 @@ def test_a_run_stopped_after_a_checkpoint_and_resumed_writes_the_uninterrupted_r
     assert len((parts / "metrics.jsonl").read_text().splitlines()) == 3  # steps 0, 1, 2
     train.main(train.Args(**TINY, steps=4, output_dir=str(parts), resume=True))
     assert (parts / "metrics.jsonl").read_bytes() == (whole / "metrics.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(reward_weight=(1.0,)), r"zip\(\) argument 2 is shorter than argument 1"),
+        (dict(gate=("iou",)), r"--gate: \['iou'\] are not among the rewards"),
+    ],
+)
+def test_main_refuses_a_weight_per_reward_mismatch_and_a_gate_that_is_no_reward(tmp_path, flags, message):
+    with pytest.raises(ValueError, match=message):
+        train.main(train.Args(**TINY, steps=1, output_dir=str(tmp_path), **flags))

@@ -444,7 +444,7 @@ def test_grounding_rewards_load_by_name_and_score_through_rewards():
         assert rewards.load_reward(name, builtins=builtins) is fn
     with pytest.raises(ValueError, match="unknown reward"):  # rewards.py alone does not know them
         rewards.load_reward("box_f1")
-    reward_list = rewards.parse_reward_specs(["box_f1", "count"], builtins=builtins)
+    reward_list = scoring.rewards_from_flags(["box_f1", "count"], builtins=builtins)
     samples = [{"boxes": [[0, 0, 10, 10]], "count": 1}] * 2
     result = rewards.score(["[0, 0, 10, 10]", "no box"], samples, reward_list)
     assert result.total == [2.0, 0.0]

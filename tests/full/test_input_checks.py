@@ -20,7 +20,7 @@ import data
 import lora
 import model_io
 import rewards
-from grpo_vlm import cli, dataset, scoring, train
+from grpo_vlm import adapters, cli, dataset, scoring, train
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = scoring.BUILTIN_REWARDS
@@ -197,7 +197,7 @@ def test_a_plug_in_file_raising_systemexit_or_keyboardinterrupt_at_import_is_its
     plugin = tmp_path / "p.py"
     plugin.write_text(body + "\n")
     with pytest.raises(ValueError, match=re.escape(f"the plug-in file {did} while it was imported")):
-        rewards.load_reward(f"{plugin}:judge")
+        scoring.rewards_from_flags([f"{plugin}:judge"])
     assert not any(name.startswith("_reward_plugin_p") for name in sys.modules)
 
 
@@ -207,7 +207,7 @@ def test_a_signal_during_a_plug_in_import_stays_a_stop(tmp_path):
         "from grpo_vlm import cli\nraise cli.Stopped('stopped by SIGINT before training started')\n"
     )
     with pytest.raises(cli.Stopped):
-        rewards.load_reward(f"{plugin}:judge")
+        scoring.rewards_from_flags([f"{plugin}:judge"])
 
 
 # --- huge images ---
@@ -323,7 +323,7 @@ def test_a_malformed_adapter_config_is_one_error_naming_the_file_and_field(
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     fresh = type(random_vlm)(random_vlm.config)
     with pytest.raises(ValueError, match=f"^{path}: {message}"):
-        model_io.load_adapter(fresh, adapter)
+        adapters.load_adapter(fresh, adapter)
     assert not lora.lora_modules(fresh)  # the model is untouched
 
 

@@ -1,5 +1,6 @@
 """model_io.py as the full trainer uses it: adapters written whole (files.py) inside verified checkpoints
-(checkpoints.py), merged models saved, the other built-in tasks' prompts.
+(checkpoints.py) and read back field by field (adapters.py), merged models saved, the other built-in
+tasks' prompts.
 """
 
 import copy
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import test_model_io
 import torch
 from test_model_io import ASSET, ROOT
 from transformers import Qwen2_5_VLForConditionalGeneration
@@ -18,6 +20,8 @@ import grpo
 import lora
 import model_io
 from grpo_vlm import checkpoints, files, tasks
+
+tiny = test_model_io.tiny  # the embedded asset, loaded once, offline (the reference tests' fixture)
 
 
 def image_prompt(tok, ip, sample: dict | None = None) -> dict[str, torch.Tensor]:
@@ -106,12 +110,12 @@ def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_
 # What `--resume` reads: the checkpoint's trainer state, then its adapter into the model.
 RESUME = """
 import sys, torch, model_io
-from grpo_vlm import checkpoints
+from grpo_vlm import adapters, checkpoints
 from pathlib import Path
 model = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)[0]
 for run in sys.argv[1:]:
     try:
-        model_io.load_adapter(model, checkpoints.checkpoint_to_resume(run, Path(run))[0])
+        adapters.load_adapter(model, checkpoints.checkpoint_to_resume(run, Path(run))[0])
     except ValueError as e:
         print(e)
 """

@@ -7,7 +7,7 @@ import pytest
 
 import rewards
 from grpo_vlm import cli, grounding, scoring, tools
-from rewards import Reward, parse_reward_specs
+from rewards import Reward, format_reward, label_reward
 
 
 def test_builtins_are_the_references_then_tool_format_then_groundings():
@@ -27,9 +27,11 @@ def test_builtins_are_the_references_then_tool_format_then_groundings():
 def test_rewards_from_flags_name_the_flag_at_fault(weights, gates, spec, message):
     with pytest.raises(ValueError, match=message):
         scoring.rewards_from_flags(["format", spec], weights, gates)
-    assert scoring.rewards_from_flags(["format", "label"], [0.5, 1.0], ["format"]) == parse_reward_specs(
-        ["format", "label"], [0.5, 1.0], ["format"]
-    )
+
+
+def test_rewards_from_flags_builds_weighted_gated_rewards():
+    rs = scoring.rewards_from_flags(["format", "label"], [0.5, 1.0], ["format"])
+    assert rs == [Reward("format", format_reward, 0.5, True), Reward("label", label_reward, 1.0, False)]
 
 
 def test_a_plug_in_that_raises_fails_with_one_line_naming_the_reward_sample_and_line():

@@ -39,7 +39,7 @@ def one_step_each(flags: dict) -> dict[str, float]:
     model, tokenizer, image_processor = lora_model_with_gradients()
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     samples = data.inspection_samples(32, split="train", seed=0)
-    reward_fns = rewards.parse_reward_specs(("label", "format"))
+    reward_fns = [rewards.Reward(r, rewards.load_reward(r)) for r in ("label", "format")]
     shape = dict(batch_size=B, group_size=G, max_new_tokens=T, lr=LR, seed=SEED)
 
     def optimizer_and_schedule():
