@@ -5,6 +5,7 @@ images, image ablation, grounding fields, the other built-in tasks.
 import copy
 
 import pytest
+import test_data
 import torch
 from test_data import G, assert_same_inputs, solid
 
@@ -13,6 +14,8 @@ import grpo
 from grpo_vlm import dataset, tasks
 
 INPUT_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+
+tiny = test_data.tiny  # the embedded asset, loaded once (the reference tests' fixture)
 
 
 def multi_image_samples(n: int) -> list[dict]:

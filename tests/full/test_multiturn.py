@@ -438,7 +438,7 @@ def update_args() -> train.Args:
 
 def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> dict:
     """One policy_update on this rank's rows of the fixed rollout: the gradients, weights and stats after."""
-    from test_distributed import rank_rollout
+    from full.test_distributed import rank_rollout
 
     fixed, (model, _, _) = torch.load(fixed_path), lora_model_with_gradients(checkpoint)
     with torch.no_grad():
@@ -459,7 +459,7 @@ def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> di
 def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     tools_checkpoint, tmp_path, monkeypatch
 ):
-    from test_distributed import torchrun
+    from full.test_distributed import torchrun
 
     monkeypatch.setattr(tools, "run_call", stand_in_call)
     model, tokenizer, image_processor = lora_model_with_gradients(tools_checkpoint)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import make_run, train_args
 from PIL import Image
 
@@ -597,7 +598,7 @@ def test_help_lists_the_documented_flags():
 
 
 def test_suppressed_tokens_are_the_vision_markers_and_specials_but_never_eos():
-    tokenizer = model_io.AutoTokenizer.from_pretrained(model_io.DEFAULT_MODEL)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_io.DEFAULT_MODEL)
     ids = data.suppressed_tokens(tokenizer)
     vision = ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
     assert {tokenizer.convert_tokens_to_ids(t) for t in vision} <= set(ids)
