@@ -357,8 +357,9 @@ def completion_logprobs(
     # Off-by-one: position j predicts token j + 1, so P - 1 predicts completion token 0; the last is dropped.
     # The LM head in fp32: bf16 logits above 16 are spaced 0.125, noise in every log-ratio of mu > 1.
     logits = hidden[:, -T - 1 : -1].float() @ head.weight.float().T  # (N, T, V) positions P - 1 .. P + T - 2
-    options = dict(temperature=temperature, return_entropy=return_entropy)
-    return logprobs_from_logits(logits, completion_ids, **options)
+    return logprobs_from_logits(
+        logits, completion_ids, temperature=temperature, return_entropy=return_entropy
+    )
 
 
 @dataclass
@@ -417,14 +418,16 @@ def sample_completions(
     """Completion ids (N, T) [and log-probs, for tests] of num_return_sequences = G samples of each prompt."""
     check_inputs(inputs)
     check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
-    greedy = dict(do_sample=False, temperature=None, top_p=None)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else greedy
-    ends = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    greedy = temperature == 0
     out = model.generate(
-        **inputs,
+        **inputs,  # input_ids, attention_mask and the image tensors (INPUT_KEYS)
         **NO_OTHER_PROCESSORS,
-        **ends,  # eos given: else the checkpoint's own list, which completion_mask would not know
-        **sampling,
+        do_sample=not greedy,
+        temperature=None if greedy else temperature,
+        top_p=None if greedy else top_p,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,  # else the checkpoint's own list, which completion_mask would not know
+        pad_token_id=pad_token_id,
         suppress_tokens=list(suppress_token_ids) or None,
         num_return_sequences=num_return_sequences,
         use_cache=True,
