@@ -8,8 +8,11 @@ Each section re-arranges one grpo.py function:
    `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
    decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
    static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended; with
-   --cuda-graph it is captured once per batch and replayed (`capture_cuda_graph`). LoRA's A and B are cast
-   to the base dtype once per sampling (`weights_cast_once`), not at every token step.
+   --cuda-graph it is captured once per prompt-length bucket and replayed across calls (`DecodeGraphs`,
+   `capture_cuda_graph`). Its mask marks only written slots valid, so every attention kernel (sdpa, eager,
+   FlashAttention-2, which reads the mask as the keys to attend) sees no empty slot. Its logits come from the
+   log-prob passes' fp32 LM head (`head_logits`): at mu = 1 the tokens are drawn from the distribution whose
+   log-probs are trained. LoRA's A and B are cast to the base dtype once per sampling (`weights_cast_once`).
 2. The frozen trunk (`completion_logprobs`). With LoRA only in the last K of L blocks, the vision tower and
    the first L - K blocks compute the same activations for the policy, the old policy and the reference:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
@@ -31,6 +34,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -72,15 +76,15 @@ def _cache_keyword(model: nn.Module) -> str:
 FINISHED_CHECK_EVERY = {"cpu": 1, "cuda": 8}
 
 
-def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_new_tokens: int) -> tuple:
-    """One forward over the B prompts, then what decoding needs for the G rows of each: last logits (N, V),
-    a pre-allocated KV cache of P + T positions (N rows), the RoPE position of the first new token (N, 1)."""
+def _prefill(model: nn.Module, inputs: dict[str, Tensor]) -> tuple:
+    """One forward over the B prompts, without the LM head: the last position's hidden state (B, H), the
+    prompts' KV cache, the RoPE position of the first new token (B, 1)."""
     prefill, has_images = dict(inputs), "image_grid_thw" in inputs
     if has_images and hasattr(getattr(model, "model", None), "rope_deltas"):
         model.model.rope_deltas = None  # NOTE: never let a stale shift from an earlier batch be read
     if not has_images:  # positions from each row's first real token, as in grpo.recompute_inputs
         prefill["position_ids"] = (inputs["attention_mask"].long().cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
-    out = model(**prefill, use_cache=True, logits_to_keep=1)
+    out = model.base_model(**prefill, use_cache=True)  # as grpo.completion_logprobs: its head is ours
     position = inputs["attention_mask"].long().sum(dim=1, keepdim=True)  # (B, 1) left padding skipped
     if has_images:
         # Qwen-VL's mRoPE numbers an image's tokens by their grid (t, h, w), not one by one, so the prompt
@@ -89,12 +93,21 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
         if deltas is None or deltas.shape[0] != position.shape[0]:
             raise ValueError("the model keeps no Qwen-VL rope_deltas: use grpo.sample_completions (generate)")
         position = position + deltas.to(position.device)
-    cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + max_new_tokens)
-    for layer, prompt in zip(cache.layers, out[_cache_keyword(model)].layers, strict=True):
-        # NOTE: each prompt's keys and values stored G times: once needs an attention over a shared prefix
-        layer.update(*(kv.repeat_interleave(group_size, dim=0) for kv in (prompt.keys, prompt.values)))
-    logits = out.logits[:, -1]  # (B, V)
-    return logits.repeat_interleave(group_size, dim=0), cache, position.repeat_interleave(group_size, dim=0)
+    return out.last_hidden_state[:, -1], out[_cache_keyword(model.base_model)], position  # (B, H), .., (B, 1)
+
+
+@dataclass
+class _Decoder:
+    """What the decoding step reads and writes in place, for N rows and T tokens: a replayed graph reads it
+    at the addresses it was captured with, so a kept decoder refills these tensors, never replaces them."""
+
+    cache: StaticCache  # prompt_slots + T positions per row
+    prompt_slots: int  # P rounded up to the bucket; a prompt of P fills the last P of them
+    mask: Tensor  # (N, prompt_slots + T) 1 on a written, non-padding slot: the only ones any kernel reads
+    position: Tensor  # (N, 1) the RoPE position of the token fed next
+    written: Tensor  # (1,) the slot the token fed next is written to
+    head32: Tensor  # (V, H) the LM head's weight in fp32 (the weight itself for an fp32 head)
+    step: Callable[[Tensor], tuple[Tensor, ...]] | None = None
 
 
 # A capture gets a step (a function of static inputs) and returns (the outputs of one run of it, the static
@@ -106,19 +119,42 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor], group_size: int, max_n
 # sliding-window layer of the cache counts in a Python int, which a replay leaves behind.
 Capture = Callable[[Callable[[], tuple]], tuple[tuple, tuple, Callable[[], Any]]]
 
+# Prompt slots of a kept decoding step are P rounded up to a multiple of this: prompts of 1,150 and 1,190
+# tokens replay one graph. The price: a step attends over up to 63 more (masked) slots.
+PROMPT_BUCKET = 64
 
-def capture_cuda_graph(step: Callable[[], tuple]) -> tuple[tuple, tuple, Callable[[], Any]]:
-    """Run `step` once on a side stream (the warm-up: cuBLAS workspaces and lazy allocations are made outside
-    the capture), then capture it into a CUDA graph. The capture launches nothing: the KV cache and the
-    positions advance once, in the warm-up, whose outputs are the first step's."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        first = step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+
+@dataclass
+class DecodeGraphs:
+    """Decoding steps kept across sampling calls (--cuda-graph): one per (N rows, T, dtype, recording or
+    not), captured once (`capture`) and replayed at every later token of every later call (training steps,
+    evaluation batches) whose prompts fit its slots (P rounded up to `bucket`); a longer prompt replaces it
+    by one captured at its own bucket. NOTE: each kept step holds its StaticCache (N x (slots + T)
+    positions) and the graph's memory pool between calls, through the update. Without `capture` nothing is
+    kept: each call decodes eagerly with slots = P."""
+
+    capture: Capture | None = None
+    bucket: int = 1
+    decoders: dict[tuple, _Decoder] = field(default_factory=dict)
+    casts: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)  # `weights_cast_once`'s
+    recorded: list[Tensor] = field(default_factory=list)  # what entered record_block, from the hook
+
+
+def capture_cuda_graph(step: Callable[[], tuple], *, device: torch.device, pool: tuple) -> tuple:
+    """A `Capture` on `device`: run `step` once on a side stream there (the warm-up: cuBLAS workspaces and
+    lazy allocations are made outside the capture), then capture it into a CUDA graph whose memory comes
+    from `pool` (one kept for the run's graphs: a capture neither frees nor re-allocates the rest). The
+    capture launches nothing: the KV cache and the positions advance once, in the warm-up, whose outputs are
+    the first step's."""
+    with torch.cuda.device(device):  # NOTE: the side stream, the pool and the capture on the model's GPU
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            first = step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=side):
+            static = step()
     return first, static, graph.replay
 
 
@@ -143,33 +179,82 @@ def _captured(step: Callable[..., tuple], capture: Capture) -> Callable[..., tup
 
 
 def _decode_step(
-    model: nn.Module,
-    position: Tensor,
-    mask: Tensor,
-    cache: StaticCache,
-    recorded: list[Tensor],
-    capture: Capture | None,
+    model: nn.Module, decoder: _Decoder, head: Tensor, recorded: list[Tensor], capture: Capture | None
 ) -> Callable[[Tensor], tuple[Tensor, ...]]:
-    """One token's forward, tokens (N, 1) -> logits (N, V) [, what entered record_block: an output, as a graph
-    replays no hook]; no host sync or changing shape, all else read in place: a CUDA graph can replay it."""
-    options = {"attention_mask": mask, "use_cache": True, _cache_keyword(model): cache}
+    """One token's forward, tokens (N, 1) -> fp32 logits (N, V) [, what entered record_block: an output, as a
+    graph replays no hook]; no host sync or changing shape, all else read in place: a CUDA graph can replay
+    it. The logits are the log-prob passes' fp32 head (`head_logits`): the sampler draws from the policy
+    whose log-probs are trained."""
+    base = model.base_model
+    options = {"attention_mask": decoder.mask, "use_cache": True, _cache_keyword(base): decoder.cache}
 
     def step(fed: Tensor) -> tuple[Tensor, ...]:
+        # The fed token's slot becomes valid as it is written: every slot the mask calls valid holds a key.
+        # NOTE: sdpa and eager add causality to the mask; FlashAttention-2 attends to every valid slot.
+        decoder.mask.index_fill_(1, decoder.written, 1)
         # position_ids (N, 1): for Qwen-VL the same on all three mRoPE axes.
-        logits = model(input_ids=fed, position_ids=position, **options).logits[:, -1]  # (N, V)
-        position.add_(1)  # on the device, as StaticCache advances where it writes: a replay does both
+        hidden = base(input_ids=fed, position_ids=decoder.position, **options).last_hidden_state  # (N, 1, H)
+        decoder.position.add_(1)  # on the device, as StaticCache advances where it writes: a replay does all
+        decoder.written.add_(1)
+        logits = head_logits(hidden[:, -1], head, decoder.head32)  # (N, V) fp32
         return (logits, recorded.pop()) if recorded else (logits,)
 
     return step if capture is None else _captured(step, capture)
 
 
+def _decoder(model: nn.Module, graphs: DecodeGraphs, key: tuple, P: int, T: int, head: Tensor) -> _Decoder:
+    """The decoder kept for `key` if its prompt slots hold P, else a new one (kept if `graphs` capture)."""
+    kept = graphs.decoders.get(key)
+    if kept is not None and kept.prompt_slots >= P:
+        return kept
+    slots, N, device = -(-P // graphs.bucket) * graphs.bucket, key[0], head.device
+    head32 = head if _fp32(head) is head else torch.empty(head.shape, dtype=torch.float32, device=device)
+    decoder = _Decoder(
+        cache=StaticCache(config=model.config, max_cache_len=slots + T),
+        prompt_slots=slots,
+        mask=torch.zeros(N, slots + T, dtype=torch.long, device=device),
+        position=torch.zeros(N, 1, dtype=torch.long, device=device),
+        written=torch.zeros(1, dtype=torch.long, device=device),
+        head32=head32,
+    )
+    if graphs.capture is not None:
+        graphs.decoders[key] = decoder  # a replaced one is freed with its graph
+    return decoder
+
+
+def _load(decoder: _Decoder, prompts: Any, attention_mask: Tensor, position: Tensor, head: Tensor, G: int):
+    """A new batch into the decoder, in place: each prompt's KV cache copied to its G rows in the last P
+    prompt slots, its padding mask and positions likewise, the head's fp32 copy refreshed."""
+    P = attention_mask.shape[1]
+    offset = decoder.prompt_slots - P  # left slots a shorter prompt leaves empty (masked)
+    decoder.cache.reset()  # zeros: a slot never written holds no key of an earlier batch
+    for layer, prompt in zip(decoder.cache.layers, prompts.layers, strict=True):
+        layer.cumulative_length.fill_(offset)  # where `update` writes next
+        # NOTE: each prompt's keys and values stored G times: once needs an attention over a shared prefix
+        layer.update(*(kv.repeat_interleave(G, dim=0) for kv in (prompt.keys, prompt.values)))
+    decoder.mask.zero_()  # the T completion slots stay 0 until the step writes them
+    decoder.mask[:, offset : offset + P] = attention_mask.repeat_interleave(G, dim=0)
+    decoder.position.copy_(position.repeat_interleave(G, dim=0))
+    decoder.written.fill_(offset + P)
+    if decoder.head32 is not head:
+        decoder.head32.copy_(head)
+
+
 @contextmanager
-def weights_cast_once(model: nn.Module) -> Iterator[None]:
-    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged)."""
-    modules = lora.lora_modules(model).values()  # any model: without adapters, nothing to cast
+def weights_cast_once(model: nn.Module, kept: dict | None = None) -> Iterator[None]:
+    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged). Given
+    `kept` (module -> casts of an earlier call), the casts are refreshed there in place: a replayed graph
+    reads them at the addresses it was captured with."""
+    modules, kept = lora.lora_modules(model).values(), {} if kept is None else kept
     with torch.no_grad():  # the casts are constants: nothing inside trains A or B
         for m in modules:
-            m.cast = (m.lora_A.weight.to(m.weight.dtype), m.lora_B.weight.to(m.weight.dtype))
+            weights = (m.lora_A.weight, m.lora_B.weight)
+            if m not in kept:
+                kept[m] = tuple(w.to(m.weight.dtype) for w in weights)  # an fp32 base: the weights themselves
+            for cast, w in zip(kept[m], weights, strict=True):
+                if cast is not w:
+                    cast.copy_(w)
+            m.cast = kept[m]
         try:
             yield
         finally:
@@ -190,28 +275,36 @@ def sample_shared_prefill(
     pad_token_id: int,
     suppress_token_ids: Sequence[int] = (),
     record_block: nn.Module | None = None,
-    capture: Capture | None = None,
+    capture: Capture | DecodeGraphs | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`grpo.sample_completions(..., num_return_sequences=G)` with each prompt prefilled once: B LEFT-padded
     prompts in, ids (N, T) out (prompt b: rows b*G .. b*G+G-1). Given `record_block` (blocks[first_adapted]),
     also what entered that block, (N, P + T - 1, H) (the last token is drawn, never fed): the frozen trunk,
-    equal to a full forward's to rounding (a KV-cache step sums in another order). Given `capture`
-    (`capture_cuda_graph`), the decoding step is replayed as a graph after its first run: the same tokens."""
+    equal to a full forward's to rounding (a KV-cache step sums in another order). Given `capture`, the
+    decoding step is replayed as a graph after its first run: the same tokens; a `DecodeGraphs` keeps it for
+    later calls. Logits from the fp32 LM head, as the log-prob passes: with a bf16 model the tokens differ
+    from generate's (bf16 head) where rounding flips a draw."""
     grpo.check_inputs(inputs)
     grpo.check_sampling(temperature, top_p, eos_token_id, suppress_token_ids)
     if max_new_tokens < 1 or group_size < 1:
         raise ValueError(f"need max_new_tokens >= 1, group_size >= 1; got {max_new_tokens=}, {group_size=}")
-    recorded: list[Tensor] = []  # the prompts' (B, P, H), then (N, 1, H) per fed token
+    graphs = capture if isinstance(capture, DecodeGraphs) else DecodeGraphs(capture)
+    graphs.recorded.clear()  # the prompts' (B, P, H), then (N, 1, H) per fed token
 
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        recorded.append(args[0] if args else kwargs["hidden_states"])
+        graphs.recorded.append(args[0] if args else kwargs["hidden_states"])
 
     hook = record_block.register_forward_pre_hook(record, with_kwargs=True) if record_block else nullcontext()
-    with hook, weights_cast_once(model):  # the handle removes the hook on exit; LoRA cast once for all
-        logits, cache, position = _prefill(model, inputs, group_size, max_new_tokens)  # (N, V), (N, 1)
+    with hook, weights_cast_once(model, graphs.casts):  # the handle removes the hook on exit; LoRA cast once
+        hidden, prompts, position = _prefill(model, inputs)  # (B, H), the prompts' cache, (B, 1)
+        recorded = graphs.recorded[:1]  # the prompts' trunk (B, P, H), if recorded
+        graphs.recorded.clear()
+        head, (B, P) = model.get_output_embeddings().weight, inputs["input_ids"].shape  # head (V, H)
+        key = (B * group_size, max_new_tokens, head.dtype, record_block is not None)
+        decoder = _decoder(model, graphs, key, P, max_new_tokens, head)
+        _load(decoder, prompts, inputs["attention_mask"], position, head, group_size)
+        logits = head_logits(hidden, head, decoder.head32).repeat_interleave(group_size, dim=0)  # (N, V)
         (N, V), device = logits.shape, logits.device
-        # The causal mask hides the positions still to be written: the padding mask is set once, for all T.
-        mask = F.pad(inputs["attention_mask"], (0, max_new_tokens), value=1).repeat_interleave(group_size, 0)
         if any(not 0 <= t < V for t in suppress_token_ids):  # NOTE: a negative id would index from the end
             raise ValueError(f"suppress_token_ids must lie in [0, {V}), got {sorted(suppress_token_ids)}")
         suppressed = torch.zeros(V, dtype=torch.bool, device=device)  # (V,)
@@ -221,7 +314,8 @@ def sample_shared_prefill(
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
         every, rng_states, cuda = FINISHED_CHECK_EVERY.get(device.type, 1), [], device.type == "cuda"
         rng = torch.cuda.default_generators[device.index] if cuda else torch.default_generator
-        step = _decode_step(model, position, mask, cache, recorded, capture)
+        if decoder.step is None:
+            decoder.step = _decode_step(model, decoder, head, graphs.recorded, graphs.capture)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             rng_states.append(rng.get_state())  # the generator multinomial draws from
@@ -230,8 +324,8 @@ def sample_shared_prefill(
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
             if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
-            logits, *hidden = step(tokens[:, t, None])  # (N, V) [and what entered record_block, (N, 1, H)]
-            recorded += hidden
+            logits, *fed_hidden = decoder.step(tokens[:, t, None])  # (N, V) [and record_block's (N, 1, H)]
+            recorded += fed_hidden
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws
@@ -478,9 +572,40 @@ def _fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))  # fp64 stays fp64; no copy of an fp32 tensor
 
 
-def _row_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
+def _on_cuda(x: Tensor) -> bool:
+    return x.device.type == "cuda"
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """TF32 for the fp32 matmuls inside if `enabled`, restored on the way out, even on error: torch's switch
+    is process-wide, so it is set only around the LM head's matmul (never RoPE's angles, an fp32 model's
+    layers or the head's gradient, whose operands are not bf16 values)."""
+    if not enabled:
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def head_logits(hidden: Tensor, weight: Tensor, weight32: Tensor) -> Tensor:
+    """fp32 logits (..., V) of the LM head `weight` (V, H) on `hidden` (..., H), given `weight32`, the weight
+    in fp32 (made once by the caller): what the sampler draws from and the log-prob passes train. In bf16
+    logits above 16 are spaced 0.125. Where hidden and weight are bf16 on CUDA the matmul runs in TF32,
+    equal to fp32 up to the summation order: a bf16 value has 8 significant bits and TF32 keeps 11, so the
+    operands enter unrounded, each product (16 bits) is exact, and the sums are fp32 in cuBLAS's order."""
+    exact = all(_on_cuda(x) and x.dtype == torch.bfloat16 for x in (hidden, weight))
+    with tf32_matmuls(exact):
+        return _fp32(hidden) @ weight32.T
+
+
+def _row_logits(hidden: Tensor, weight: Tensor, weight32: Tensor, temperature: float) -> Tensor:
     """(T, V) = the LM head on one row's hidden states (T, H), in fp32, over the temperature."""
-    logits = _fp32(hidden) @ weight.T  # weight already fp32: bf16 logits above 16 are spaced 0.125
+    logits = head_logits(hidden, weight, weight32)
     return logits if temperature == 1 else logits / temperature
 
 
@@ -494,7 +619,7 @@ class _RowByRowLogprobs(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, temperature: float, entropy: bool):
         weight32, lse, picked, entropies = _fp32(weight), [], [], []  # weight32: (V, H), freed on return
         for row, ids in zip(hidden, index):
-            z = _row_logits(row, weight32, temperature)  # (T, V)
+            z = _row_logits(row, weight, weight32, temperature)  # (T, V)
             lse.append(torch.logsumexp(z, dim=-1))
             picked.append(z.gather(-1, ids[:, None]).squeeze(-1))
             if entropy:  # a metric; entr(p) = -p log p, with entr(0) = 0
@@ -515,7 +640,7 @@ class _RowByRowLogprobs(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight32) if ctx.needs_input_grad[1] else None  # a trainable head
         for i in range(hidden.shape[0]):
             # d logp / d z = onehot(index) - softmax(z), times the incoming gradient; then through the head.
-            z = _row_logits(hidden[i], weight32, ctx.temperature)  # (T, V)
+            z = _row_logits(hidden[i], weight, weight32, ctx.temperature)  # (T, V)
             dz = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
             dz.scatter_add_(-1, index[i, :, None], scale[i, :, None])  # + scale at index
             grad_hidden[i] = dz @ weight32  # (T, H)
@@ -572,7 +697,7 @@ class Plan:
     config: SpeedConfig = field(default_factory=SpeedConfig)
     parts: dict[str, Any] | None = None  # trunk reuse: the adapted blocks, first_adapted, norm, LM head
     record_block: nn.Module | None = None  # shared prefill + trunk reuse: where sampling records
-    capture: Capture | None = None  # shared prefill + --cuda-graph on CUDA: how the decoding step is captured
+    capture: DecodeGraphs | None = None  # shared prefill + --cuda-graph on CUDA: the kept decoding graphs
 
 
 def decoder_parts(model: nn.Module, last_k: int) -> dict[str, Any]:
@@ -603,14 +728,17 @@ def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
     return parts["blocks"][parts["first_adapted"]]
 
 
-def decode_capture(model: nn.Module, config: SpeedConfig) -> Capture | None:
-    """`capture_cuda_graph` where --cuda-graph can act; elsewhere None, and a note says why."""
+def decode_capture(model: nn.Module, config: SpeedConfig) -> DecodeGraphs | None:
+    """The run's `DecodeGraphs` (`capture_cuda_graph` on the model's GPU, one memory pool, P in buckets of
+    PROMPT_BUCKET) where --cuda-graph can act; elsewhere None, and a note says why."""
     device, attention = next(model.parameters()).device, model.config._attn_implementation
     # NOTE: flash_attention_2 reads its mask back to the host; a sliding-window StaticCache layer counts
     # what it holds in a Python int, which a replay would never advance.
     full = set(getattr(model.config.get_text_config(), "layer_types", None) or []) <= {"full_attention"}
     if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager") and full:
-        return capture_cuda_graph
+        with torch.cuda.device(device):
+            pool = torch.cuda.graph_pool_handle()
+        return DecodeGraphs(partial(capture_cuda_graph, device=device, pool=pool), bucket=PROMPT_BUCKET)
     # A note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
     needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention and no sliding window"
     print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")

@@ -351,7 +351,7 @@ def test_decode_steps_have_static_shapes_and_write_into_one_preallocated_cache()
             shapes = {k: tuple(v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
             steps.append((cache, cache.layers[0].keys.data_ptr(), tuple(cache.layers[0].keys.shape), shapes))
 
-    model.register_forward_pre_hook(look, with_kwargs=True)
+    model.base_model.register_forward_pre_hook(look, with_kwargs=True)
     torch.manual_seed(0)
     speedups.sample_shared_prefill(
         model, inputs_for("vlm", 1), group_size=G, max_new_tokens=T, temperature=0.0, **SAMPLING
@@ -399,7 +399,7 @@ def test_a_replayed_decoding_step_draws_the_same_tokens_and_records_the_same_tru
     block = speedups.record_block(model, speedups.decoder_parts(model, K))
     options = dict(group_size=G, max_new_tokens=10, temperature=temperature, top_p=top_p, record_block=block)
     steps = []  # decoding forwards (one new token per row), per sampling call
-    model.register_forward_pre_hook(
+    model.base_model.register_forward_pre_hook(
         lambda m, a, kw: steps.append(kw["input_ids"].shape[1] == 1), with_kwargs=True
     )
     ended_early = False
@@ -434,7 +434,10 @@ def test_the_decoding_step_reads_no_tensor_value_back_to_the_host():
             layer.update(kv, kv)
         mask = torch.ones(N, P + T, dtype=torch.long, device="meta")
         position = torch.zeros(N, 1, dtype=torch.long, device="meta")
-        step = speedups._decode_step(model, position, mask, cache, [], None)
+        written = torch.full((1,), P, dtype=torch.long, device="meta")
+        head = model.get_output_embeddings().weight
+        decoder = speedups._Decoder(cache, P, mask, position, written, head32=head)
+        step = speedups._decode_step(model, decoder, head, [], None)
         with torch.no_grad():
             (logits,) = step(torch.zeros(N, 1, dtype=torch.long, device="meta"))
         assert logits.shape == (N, VOCAB) and logits.device.type == "meta"
@@ -469,7 +472,7 @@ def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casti
     assert seen[0][0].dtype == torch.bfloat16 and adapter.cast is None  # dropped on exit
     with speedups.weights_cast_once(model):
         assert not torch.is_grad_enabled()  # the casts are constants: nothing inside may train A or B
-    monkeypatch.setattr(speedups, "weights_cast_once", lambda model: nullcontext())
+    monkeypatch.setattr(speedups, "weights_cast_once", lambda model, kept=None: nullcontext())
     torch.manual_seed(0)
     per_token = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
     assert torch.equal(once[0], per_token[0]) and torch.equal(once[1], per_token[1])  # a cast is a cast
