@@ -47,6 +47,7 @@ import rewards
 from grpo_vlm import (
     adapters,
     adaptive_kl,
+    attention,
     checkpoints,
     cli,
     dataset,
@@ -617,6 +618,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     options = dict(device=device, dtype=dtype, attn_implementation=args.attn_implementation)
     model, tokenizer, image_processor = model_io.load_model(args.model, **options)
+    # the vision tower on FlashAttention-2's variable-length kernel where it can run (attention.py)
+    print_if(rank == 0, attention.set_per_part(model, args.attn_implementation, device, dtype))
     config = args.samples
     dataset.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
