@@ -23,6 +23,7 @@ checkpoints: checkpoints.py), evaluation and `main`, last.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -32,6 +33,7 @@ import math
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -47,6 +49,7 @@ import rewards
 from grpo_vlm import (
     adapters,
     adaptive_kl,
+    attention,
     checkpoints,
     cli,
     dataset,
@@ -217,18 +220,21 @@ class Rollout:
         return data.repeat_rows(self.prompts, G).inputs
 
 
-def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict, Rollout]:
-    """One GRPO step on this rank's B prompts: (metrics record, the same on every rank; timings; rollout)."""
-    t0 = time.time()
+def train_step(
+    step: int, run: Run, args: Args, beta: float, *, prepared: data.PromptBatch | None = None
+) -> tuple[dict, dict, Rollout]:
+    """One GRPO step on this rank's B prompts: (metrics record, the same on every rank; timings; rollout).
+    `prepared`: the step's prompts as `host_batch` makes them, made ahead (`prompts_ahead`); None: here."""
+    t0 = clock(run.device)
     distributed.seed_rank_stream(args.seed, step, run.rank)  # torchrun: each rank its own sampling stream
-    prompts = data.batch_for_step(
-        run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
-    )
-    ro = (tool_rollout if run.tools else rollout)(run, prompts, args)  # sample, mask, rewards, advantages
+    prompts = step_prompts(run, step, args)
+    batch = to_device(host_batch(run, prompts, args) if prepared is None else prepared, run.device)
+    roll = tool_rollout if run.tools else rollout
+    ro = roll(run, prompts, args, batch=batch)  # sample, mask, rewards, advantages
     # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
     ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
-    t1 = time.time()
+    t1 = clock(run.device)
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
     correct = ro.components[run.accuracy_name] >= 1.0
     measured = metrics.rollout_metrics(
@@ -236,8 +242,28 @@ def train_step(step: int, run: Run, args: Args, beta: float) -> tuple[dict, dict
     )
     measured.update(ro.tool_metrics)  # with tools: calls and errors per completion
     record = {"step": step, "beta": beta, **stats, **distributed.mean_across_ranks(measured), **counts}
-    timings = {"step": step, "rollout_s": t1 - t0, "update_s": time.time() - t1}
+    t2 = clock(run.device)
+    timings = {"step": step, "rollout_s": seconds_between(t0, t1), "update_s": seconds_between(t1, t2)}
     return record, timings, ro
+
+
+def clock(device: torch.device | str) -> float | torch.cuda.Event:
+    """A point in a step's time. On CUDA an event recorded on the device's stream: it completes when the
+    kernels queued before it have run, so a phase is charged with its own kernels, not with those the host
+    queued earlier and the device runs late; elsewhere the host's clock (the CPU runs each op as called)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Event) -> float:
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()  # NOTE: waits for the device: once a step, after its last .item() anyway
+    return start.elapsed_time(end) / 1000  # milliseconds
 
 
 def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
@@ -250,18 +276,63 @@ def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
     return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
 
 
-def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
-    """The samples' chat text, tokens and image tensors, left-padded into one batch on the run's device."""
-    options = dict(device=run.device, max_prompt_length=args.samples.max_prompt_length)
+def step_prompts(run: Run, step: int, args: Args) -> list[dict]:
+    """This rank's B samples of `step` (1-based): a pure function of the step (data.batch_for_step)."""
+    return data.batch_for_step(run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world)
+
+
+def host_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
+    """The samples' chat text, tokens and image tensors, left-padded into one batch in host memory,
+    page-locked when the run is on CUDA, so that `to_device`'s copy runs without the host waiting for it."""
+    options = dict(device="cpu", max_prompt_length=args.samples.max_prompt_length)
     loader = dataset.image_loader(run.image_processor)  # large files decoded once, shrunk to the budget
-    return data.prepare_prompts(samples, run.tokenizer, run.image_processor, loader=loader, **options)
+    batch = data.prepare_prompts(samples, run.tokenizer, run.image_processor, loader=loader, **options)
+    if torch.device(run.device).type != "cuda":
+        return batch
+    return data.PromptBatch({k: v.pin_memory() for k, v in batch.inputs.items()}, batch.images_per_row)
+
+
+def to_device(batch: data.PromptBatch, device: torch.device | str) -> data.PromptBatch:
+    """`batch` on `device`: from pinned memory on CUDA without blocking the host (the kernels that read it
+    queue behind the copy on the same stream); elsewhere a plain (on the CPU: no) copy."""
+    non_blocking = torch.device(device).type == "cuda"
+    inputs = {k: v.to(device, non_blocking=non_blocking) for k, v in batch.inputs.items()}
+    return data.PromptBatch(inputs, batch.images_per_row)
+
+
+def prompt_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
+    """The samples' prompts on the run's device, made on the spot."""
+    return to_device(host_batch(run, samples, args), run.device)
+
+
+@contextlib.contextmanager
+def prompts_ahead(run: Run, args: Args, steps: range) -> Iterator[Callable[[int], data.PromptBatch]]:
+    """`prepared(step)`: the step's `host_batch`, made on a background thread while the step before it ran
+    (image decoding and processing off the step's critical path). Each is a pure function of its step, so
+    the tokens, metrics and resume are those of a batch made on the spot.
+    NOTE: the thread shares the tokenizer with the main thread, which only decodes (no settings change)."""
+    futures: dict[int, concurrent.futures.Future] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="prompts-ahead") as pool:
+
+        def submit(step: int) -> None:
+            if step in steps:
+                futures[step] = pool.submit(lambda: host_batch(run, step_prompts(run, step, args), args))
+
+        def prepared(step: int) -> data.PromptBatch:
+            future = futures.pop(step, None)
+            submit(step + 1)  # queued behind this step's batch, made while this step runs
+            return host_batch(run, step_prompts(run, step, args), args) if future is None else future.result()
+
+        submit(steps.start)
+        yield prepared
 
 
 @torch.no_grad()
-def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
-    """Sample G completions of each prompt with the current policy, score them, and compute advantages."""
+def rollout(run: Run, prompts: list[dict], args: Args, batch: data.PromptBatch | None = None) -> Rollout:
+    """Sample G completions of each prompt with the current policy, score them, and compute advantages.
+    `batch`: the prompts' model inputs if made already (`prompt_batch`)."""
     G, model, ends = args.group_size, run.model, run.sampling["eos_token_id"]
-    batch = prompt_batch(run, prompts, args)
+    batch = prompt_batch(run, prompts, args) if batch is None else batch
     model.eval()
     # B prompts in, rows b*G .. b*G+G-1 out (prompt b's group); `recording`: the frozen trunk, or None.
     completion_ids, recording = speedups.sample(model, batch.inputs, run.speed, group_size=G, **run.sampling)
@@ -285,11 +356,11 @@ def rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
 
 
 @torch.no_grad()
-def tool_rollout(run: Run, prompts: list[dict], args: Args) -> Rollout:
+def tool_rollout(run: Run, prompts: list[dict], args: Args, batch: data.PromptBatch | None = None) -> Rollout:
     """`rollout` with tool calls (--max-tool-calls > 0): multi-turn completions (multiturn.py), scored on
     their final answers (the samples carry the trajectory and the calls), the mask on the model's own tokens,
     each row with its tools' images."""
-    batch = prompt_batch(run, prompts, args)
+    batch = prompt_batch(run, prompts, args) if batch is None else batch
     run.model.eval()
     prompts = dataset.with_grounding(prompts, run.image_processor, run.box_frame)
     options = dict(group_size=args.group_size, sampling=run.sampling)
@@ -617,6 +688,8 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     options = dict(device=device, dtype=dtype, attn_implementation=args.attn_implementation)
     model, tokenizer, image_processor = model_io.load_model(args.model, **options)
+    # the vision tower on FlashAttention-2's variable-length kernel where it can run (attention.py)
+    print_if(rank == 0, attention.set_per_part(model, args.attn_implementation, device, dtype))
     config = args.samples
     dataset.set_pixel_budget(image_processor, config.min_pixels, config.max_pixels)  # before the length check
     with cli.user_errors("--box-frame: "):
@@ -895,44 +968,48 @@ def train_loop(
     """Steps start_step + 1 .. args.steps; every rank evaluates its share, the writing rank (log is not None)
     logs and saves."""
     bad_in_a_row = 0
-    for step in range(start_step + 1, args.steps + 1):
-        rng = checkpoints.rng_state()  # step - 1's checkpoint takes it, should this step fail in user code
-        try:
-            record, timings, ro = train_step(step, run, args, beta)  # sample, score, update
-        except (Exception, cli.Stopped) as error:
-            if log is not None:  # NOTE: the rewards come before the update: the model holds step - 1's state
-                checkpoints.set_rng_state(rng)
-                failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised there
-            raise
-        completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
-        del ro  # NOTE: its chunks and trunk recordings are freed before the next step samples, not after
-        if args.kl_band.kl_target_low is not None and "kl" in record:  # adaptive KL: beta for the next step
-            beta = adaptive_kl.adapt_beta(beta, record["kl"], args.kl_band)
-        bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
-        try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
-            if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                record.update(evaluate(run, args))
-        except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
+    steps = range(start_step + 1, args.steps + 1)
+    with prompts_ahead(run, args, steps) as prepared:  # the next step's prompts, made while this one runs
+        for step in steps:
+            # step - 1's checkpoint takes it, should this step fail in user code
+            rng = checkpoints.rng_state()
             try:
+                record, timings, ro = train_step(step, run, args, beta, prepared=prepared(step))
+            except (Exception, cli.Stopped) as error:
+                # NOTE: the rewards come before the update: the model holds step - 1's state
                 if log is not None:
+                    checkpoints.set_rng_state(rng)
+                    failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised
+                raise
+            completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
+            del ro  # NOTE: its chunks and trunk recordings are freed before the next step samples, not after
+            if args.kl_band.kl_target_low is not None and "kl" in record:  # adaptive KL: the next step's beta
+                beta = adaptive_kl.adapt_beta(beta, record["kl"], args.kl_band)
+            bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+            try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
+                if run.held_out and (step % args.eval_every == 0 or step == args.steps):
+                    record.update(evaluate(run, args))
+            except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
+                try:
+                    if log is not None:
+                        log.step(record, timings, completions, bad_in_a_row)
+                        failed_step(error, step, run, out, beta, run_id, args)
+                finally:
+                    distributed.barrier()  # NOTE: torchrun ends every rank once one exits: not before saving
+                raise
+            if log is not None:
+                with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
                     log.step(record, timings, completions, bad_in_a_row)
-                    failed_step(error, step, run, out, beta, run_id, args)
-            finally:
-                distributed.barrier()  # NOTE: torchrun ends every rank once one exits: not before the save
-            raise
-        if log is not None:
-            with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
-                log.step(record, timings, completions, bad_in_a_row)
-        halt = halt_reason(stop, bad_in_a_row, args)
-        if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
-            save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
-        if halt:
-            distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
-            message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
-            message += f"python -m grpo_vlm --resume {out}"
-            if stop.requests:
-                raise cli.Stopped(message)
-            raise SystemExit(message)
+            halt = halt_reason(stop, bad_in_a_row, args)
+            if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
+                save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
+            if halt:
+                distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
+                message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
+                message += f"python -m grpo_vlm --resume {out}"
+                if stop.requests:
+                    raise cli.Stopped(message)
+                raise SystemExit(message)
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 

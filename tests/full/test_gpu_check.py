@@ -21,6 +21,15 @@ CHECKS = [
     ),
     "5 phases",
     "6 determinism",
+    "8 decode time per token",
+    "9 kernels per decoded token",
+    "10 fp32 head in TF32 = fp32",
+]
+# CUDA only (7, 12), or with flash-attn on CUDA (11): skipped on the CPU, said so in the table.
+SKIPPED = [
+    "7 CUDA graph = eager",
+    "11 FlashAttention-2 sampler = sdpa",
+    "12 trunk recorded under the graph = eager",
 ]
 
 
@@ -42,13 +51,32 @@ def test_every_check_passes_at_tiny_shapes_on_the_cpu_and_the_phase_table_prints
     result = gpu_check()
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     found = verdicts(result.stdout)
-    assert found == {**dict.fromkeys(CHECKS, "PASS"), "7 CUDA graph = eager": "SKIP"}, result.stdout
+    assert found == {**dict.fromkeys(CHECKS, "PASS"), **dict.fromkeys(SKIPPED, "SKIP")}, result.stdout
     assert "equal tokens for 6 of 6 rows in fp32" in result.stdout  # B = 2 x G = 3, the sampler's rows
     table = [
         line.split()[0] for line in result.stdout.splitlines() if "n/a (CPU)" in line and "ms" not in line
     ]
     assert table == ["sampling", "trunk", "reference/old", "policy", "optimizer", "step"], result.stdout
-    assert f"all {len(CHECKS) + 1} checks passed" in result.stdout
+    assert f"all {len(CHECKS) + len(SKIPPED)} checks passed" in result.stdout
+    report = table_rows(result.stdout)
+    phases = ["sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer", "step"]
+    assert [m.split(":")[0] for m in report if m.startswith("phase ")] == [f"phase {p}" for p in phases]
+    assert report["phases of one default step timed with"] == "host clock"
+    assert float(report["decode ms/token, eager (host clock, 6 steps)"]) > 0  # T = 8: 8 - 2 steps timed
+    assert int(report["aten ops (CPU; no kernels) per decoded token, eager (torch.profiler)"]) > 0
+    assert report["log-prob max abs difference, the fp32 head in TF32 vs fp32"] == "0.0e+00"  # none on a CPU
+    assert report["decode ms/token, CUDA graph replayed"] == "SKIP (CUDA only)"
+    assert report["recorded trunk under the CUDA graph vs eager"] == "SKIP (CUDA only)"
+    assert report["FlashAttention-2 sampler vs sdpa"].startswith("SKIP (")
+
+
+def table_rows(stdout: str) -> dict[str, str]:
+    """The closing Markdown table: measure -> value (its header row and rule aside)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| measured: random Qwen2.5-VL, tiny shapes") and lines[0].endswith(
+        "| value |"
+    )
+    return dict(line[2:-2].rsplit(" | ", 1) for line in lines[1:])
 
 
 def test_a_wrong_figure_or_an_exception_fails_only_its_own_checks_and_the_script_exits_1():
@@ -67,13 +95,20 @@ def test_a_wrong_figure_or_an_exception_fails_only_its_own_checks_and_the_script
     expected = {
         **dict.fromkeys(CHECKS, "PASS"),
         **dict.fromkeys(failed, "FAIL"),
-        "7 CUDA graph = eager": "SKIP",
+        **dict.fromkeys(SKIPPED, "SKIP"),
     }
     assert verdicts(result.stdout) == expected, result.stdout
     assert "FAIL  1 sampler = generate: RuntimeError: injected" in result.stdout
     assert "max |logp difference| 1.0e-03 > 1.0e-04" in result.stdout
     assert "Traceback" in result.stderr and "RuntimeError: injected" in result.stderr  # for the one who reads
-    assert f"3 of {len(CHECKS) + 1} checks failed" in result.stdout
+    assert f"3 of {len(CHECKS) + len(SKIPPED)} checks failed" in result.stdout
+
+
+def test_checks_picks_the_checks_to_run_as_the_determinism_child_on_cuda_does():
+    result = gpu_check(args=[*TINY, "--checks", "6,10"])
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert verdicts(result.stdout) == {"6 determinism": "PASS", "10 fp32 head in TF32 = fp32": "PASS"}
+    assert "all 2 checks passed" in result.stdout
 
 
 @pytest.mark.parametrize(

@@ -611,10 +611,10 @@ def test_a_steps_rollout_is_freed_before_the_next_step_samples(tmp_path, monkeyp
     alive_at_start, previous = [], []
     real_step = train.train_step
 
-    def step_watched(step, run, args, beta):
+    def step_watched(step, run, args, beta, **options):
         gc.collect()
         alive_at_start.append([ref() is not None for ref in previous])
-        record, timings, ro = real_step(step, run, args, beta)
+        record, timings, ro = real_step(step, run, args, beta, **options)
         previous.append(weakref.ref(ro))
         return record, timings, ro
 
