@@ -1,8 +1,8 @@
 """The memory a training step needs, estimated from shapes, and the micro-batch that makes it fit a device.
 
 `estimate` adds up, per phase of train.py's step, the bytes alive together:
-- sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, and
-  the recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated;
+- sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, the
+  recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated, and the LM head's fp32 weight;
 - trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the pixels (the B
   prompts' once with trunk reuse; the N rows' on the plain path, whose every pass reads them);
 - logprob_pass: a no-grad pass (reference, old policy): one adapted block's intermediates for a micro-batch,
@@ -110,7 +110,8 @@ def estimate(
     recording = N * S * H * d if trunk_reuse else 0
     kv_cache = N * (P + T) * L * 2 * kv * d + (N // group_size) * P * L * 2 * kv * d  # + the prompts' own
     draw = 3 * N * V * f32  # the last logits, their softmax, the sampler's scores
-    sampling = kv_cache + 2 * recording + draw
+    weight32 = V * H * f32 if d < f32 else 0  # the LM head's weight in fp32, once per sampling call or pass
+    sampling = kv_cache + 2 * recording + draw + weight32  # the sampler draws from the fp32 head
     if not shared_prefill:  # generate: all N rows prefilled, a cache grown by concatenation (old and new)
         sampling = 2 * kv_cache + N * P * 3 * I * d + draw
     # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token,
@@ -128,7 +129,6 @@ def estimate(
         activations = n * S * ((K - 1) * d * H + block + later) + head_saved
     else:
         activations = n * S * (K * block + (K - 1) * later) + head_saved
-    weight32 = V * H * f32 if d < f32 else 0  # speedups._RowByRowLogprobs casts the head's weight once a pass
     # Logits, softmax, entropy or their gradient: one row's (T, V) at a time; without trunk reuse
     # grpo.completion_logprobs makes all n rows' at once, and keeps two such tensors for the backward.
     logits = 3 * (1 if trunk_reuse else n) * T * V * f32

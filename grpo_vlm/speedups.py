@@ -326,6 +326,8 @@ def sample_shared_prefill(
                 break
             logits, *fed_hidden = decoder.step(tokens[:, t, None])  # (N, V) [and record_block's (N, 1, H)]
             recorded += fed_hidden
+    if graphs.decoders.get(key) is not decoder:  # NOTE: not kept: break the step <-> decoder cycle, so the
+        decoder.step = None  # cache and the fp32 head are freed now, not at the next garbage collection
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws

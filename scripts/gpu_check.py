@@ -577,8 +577,10 @@ def check_decode_time(model: torch.nn.Module, s: Setup) -> tuple[bool | None, st
     if s.device.type != "cuda":
         s.report.append(("decode ms/token, CUDA graph replayed", "SKIP (CUDA only)"))
         return True, f"{figure}; graph: CUDA only"
-    # TODO(speedups): a capture kept across calls (per prompt-length bucket) replaces this per-call capture.
-    graph, _ = decode_figures(model, s, capture=speedups.capture_cuda_graph)
+    kept = speedups.decode_capture(
+        model, speedups.SpeedConfig(cuda_graph=True)
+    )  # captured once, then replayed
+    graph, _ = decode_figures(model, s, capture=kept)
     s.report.append((f"decode ms/token, CUDA graph replayed ({clock}, {steps} steps)", f"{graph:.2f}"))
     return True, f"{figure}; graph replayed {graph:.2f} ms/token ({eager / graph:.1f}x)"
 
@@ -607,35 +609,25 @@ def check_kernel_count(model: torch.nn.Module, s: Setup) -> tuple[bool | None, s
     return per_token > 0, f"{per_token:.0f} {what} per decoded token, eager"
 
 
-@contextmanager
-def matmul_precision(precision: str):
-    """torch's fp32 matmul precision inside only ('high': TF32 on CUDA), restored on exit."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
 def check_tf32_head(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
-    # TODO(speedups): measure through the TF32 switch of the fp32 head once it exists; until then the head's
-    # fp32 matmuls run under a scoped TF32 precision here, which is what that switch scopes to them.
-    parts = speedups.decoder_parts(model, s.lora.lora_last_k)
-    frozen = dict(blocks=parts["blocks"], first_adapted=parts["first_adapted"])
-    ids, recording = ours(model, s, record_block=speedups.record_block(model, parts))
-    trunk = speedups.trunk_from_recording(model, s.rows, ids, recording, **frozen)
-    logp = {}
-    for precision in ("highest", "high"):
-        with torch.no_grad(), matmul_precision(precision):
-            logp[precision], _ = speedups.trunk_logprobs(
-                trunk, ids, **parts, temperature=s.sampling["temperature"]
-            )
-    diff = float((logp["high"] - logp["highest"]).abs().max())
+    """The LM head on the rows' last hidden states, its matmul in TF32 (speedups.tf32_matmuls, as
+    speedups.head_logits runs it for bf16 operands on CUDA) against plain fp32: the log-probs' difference."""
+    ids, _ = ours(model, s)
+    T, head = ids.shape[1], model.get_output_embeddings()
+    with torch.no_grad():
+        hidden = model.base_model(**grpo.recompute_inputs(s.rows, ids), use_cache=False).last_hidden_state
+        hidden, weight32 = hidden[:, -T - 1 : -1], head.weight.float()  # the T positions that predict ids
+        logp = {}
+        for tf32 in (False, True):
+            with speedups.tf32_matmuls(tf32):
+                logits = hidden.float() @ weight32.T  # (N, T, V)
+            logp[tf32] = torch.log_softmax(logits / s.sampling["temperature"], dim=-1)
+            logp[tf32] = logp[tf32].gather(-1, ids[..., None]).squeeze(-1)
+    diff = float((logp[True] - logp[False]).abs().max())
     s.report.append(("log-prob max abs difference, the fp32 head in TF32 vs fp32", f"{diff:.1e}"))
     if s.dtype == torch.float32:  # fp32 inputs lose bits in TF32: the head stays fp32 for fp32 models
         return True, f"max |logp difference| {diff:.1e} (an fp32 model: its head stays fp32; a figure only)"
-    # bf16 inputs (8-bit mantissas) are exact in TF32 (10 bits) and the products accumulate in fp32: what is
+    # bf16 inputs (8 significant bits) are exact in TF32 (11) and the products accumulate in fp32: what is
     # left is summation order. The bound is a first guess for the first GPU run to confirm.
     return (
         diff <= 1e-3,
@@ -686,9 +678,10 @@ def check_graph_trunk(model: torch.nn.Module, s: Setup) -> tuple[bool | None, st
     if s.device.type != "cuda":
         s.report.append(("recorded trunk under the CUDA graph vs eager", "SKIP (CUDA only)"))
         return None, "captured on CUDA only"
-    # TODO(speedups): the capture kept across calls, once it exists, is what this should replay.
     eager_ids, eager_diff, eager = trunk_against_full(model, s)
-    graph_ids, graph_diff, graph = trunk_against_full(model, s, capture=speedups.capture_cuda_graph)
+    kept = speedups.decode_capture(model, speedups.SpeedConfig(cuda_graph=True))
+    trunk_against_full(model, s, capture=kept)  # the first call captures; the second replays the kept graph
+    graph_ids, graph_diff, graph = trunk_against_full(model, s, capture=kept)
     same = eager_ids.shape == graph_ids.shape and torch.equal(eager_ids, graph_ids)
     gap = float((graph - eager).abs().max()) if graph.shape == eager.shape else float("inf")
     s.report.append(("recorded trunk under the CUDA graph vs eager, max abs difference", f"{gap:.1e}"))
