@@ -15,6 +15,12 @@ Choices:
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
   apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
+- A checkpoint may come from someone else: a manifest names only files inside its folder; a state whose zip
+  entries declare more bytes than the file holds, or than the checkpoint's adapter can need, is refused
+  before it loads; every field a resume reads is checked for its type first (`trainer_state_problem`, and
+  against the run's own optimizer and scheduler: `optimizer_state_problem`, `scheduler_state_problem`), so
+  a state of the wrong shape is named by file and field like a torn one. run.json's settings are checked
+  against their fields' types when they are read back (`settings_from_record`).
 - A checkpoint may name the run that wrote it (`checkpoint.json`); pruning with a run id deletes only
   that run's older checkpoints, so two runs sharing an output folder never delete each other's.
 - One run per folder: `run.json` (with a run id) is what makes a folder a run folder and names the run that
@@ -296,10 +302,15 @@ TRAINER_STATE_FIELDS = (
 )
 
 
-def trainer_state_problem(state: dict[str, Any]) -> str | None:
-    """What is wrong with the trainer state `state` as data ("field: why"), None when nothing is: every field
-    the resume reads is there, of its type (the optimizer's and scheduler's content is checked against the
-    run's own: `optimizer_state_problem`). The checkpoint's run_id and the RNG state of CUDA may be absent."""
+# The fields a resume cannot go without (run_id: an older checkpoint names no run; rng.cuda: a CPU run's).
+RESUME_FIELDS = tuple(f for f, _, _ in TRAINER_STATE_FIELDS if f not in ("run_id", "rng.cuda"))
+
+
+def trainer_state_problem(state: dict[str, Any], required: Collection[str] = ("step",)) -> str | None:
+    """What is wrong with the trainer state `state` as data ("field: why"), None when nothing is: each field
+    of TRAINER_STATE_FIELDS it holds is of its type, and those `required` are there (RESUME_FIELDS: all a
+    resume reads). The optimizer's and scheduler's content is checked against the run's own
+    (`optimizer_state_problem`, `scheduler_state_problem`)."""
     for field, test, want in TRAINER_STATE_FIELDS:
         value, *path = state, *field.split(".")
         for depth, key in enumerate(path):
@@ -310,7 +321,7 @@ def trainer_state_problem(state: dict[str, Any]) -> str | None:
                 break
             value = value[key]
         if value is dataclasses.MISSING:
-            if field in ("run_id", "rng.cuda"):
+            if field not in required:
                 continue
             return f"{field}: missing"
         if not test(value):

@@ -712,7 +712,8 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     print_if(run.rank == 0 and report is not None, f"warning: {report}")
     with cli.user_errors(f"--resume {checkpoint}: "):
         adapters.load_adapter(run.model, checkpoint)
-    problem = checkpoints.optimizer_state_problem(state["optimizer"], run.optimizer)
+    problem = checkpoints.trainer_state_problem(state, required=checkpoints.RESUME_FIELDS)
+    problem = problem or checkpoints.optimizer_state_problem(state["optimizer"], run.optimizer)
     problem = problem or checkpoints.scheduler_state_problem(state["scheduler"], run.scheduler)
     cli.check(problem is None, "--resume", f"{checkpoint / checkpoints.STATE_FILE}: {problem}")
     run.optimizer.load_state_dict(state["optimizer"])
