@@ -11,6 +11,6 @@ from grpo_vlm import cli, distributed, train
 
 if __name__ == "__main__":
     try:
-        cli.run(lambda argv: train.main(train.command_line(argv)), sys.argv[1:])
+        cli.run(lambda argv: train.main(train.command_line(argv), train.typed_flags(argv)), sys.argv[1:])
     finally:
         distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too

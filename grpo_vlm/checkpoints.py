@@ -15,6 +15,12 @@ Choices:
 - The trainer state is plain data (tensors, numbers, strings, lists, tuples, dicts; the RNG states taken
   apart into those) and is read with `torch.load(weights_only=True)`. A pickle can run any code while it
   loads, so a checkpoint that needs more than plain data is refused, never loaded "just this once".
+- A checkpoint may come from someone else: a manifest names only files inside its folder; a state whose zip
+  entries declare more bytes than the file holds, or than the checkpoint's adapter can need, is refused
+  before it loads; every field a resume reads is checked for its type first (`trainer_state_problem`, and
+  against the run's own optimizer and scheduler: `optimizer_state_problem`, `scheduler_state_problem`), so
+  a state of the wrong shape is named by file and field like a torn one. run.json's settings are checked
+  against their fields' types when they are read back (`settings_from_record`).
 - A checkpoint may name the run that wrote it (`checkpoint.json`); pruning with a run id deletes only
   that run's older checkpoints, so two runs sharing an output folder never delete each other's.
 - One run per folder: `run.json` (with a run id) is what makes a folder a run folder and names the run that
@@ -31,13 +37,17 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import numbers
 import os
 import pickle
 import random
 import re
 import shutil
+import types
+import typing
 import uuid
+import zipfile
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from grpo_vlm import cli, files
+from grpo_vlm import cli, files, plugins
 
 # --- Checkpoints --------------------------------------------------------------------------------------------
 STATE_FILE = "trainer_state.pt"
@@ -141,6 +151,8 @@ def verify_checkpoint(directory: str | Path) -> str | None:
         listed = json.loads(files.regular_file(path).read_text(encoding="utf-8")).get("files")
         for name, record in (listed or {}).items():
             want = int(record["bytes"]), str(record["sha256"])
+            if (outside := outside_folder(directory, name)) is not None:
+                return f"{OWNER_FILE} lists {name!r}, {outside}"
             if not (f := directory / name).exists():
                 return f"{name} is missing"
             if not f.is_file():  # NOTE: a FIFO would block the read below
@@ -154,6 +166,18 @@ def verify_checkpoint(directory: str | Path) -> str | None:
         return f"{Path(e.filename or path).name} is unreadable ({e.strerror or e})"
     except (ValueError, AttributeError, KeyError, TypeError):  # torn, emptied or foreign: no manifest left
         return f"{OWNER_FILE} is unreadable"
+    return None
+
+
+def outside_folder(directory: Path, name: str) -> str | None:
+    """Why the manifest entry `name` is not a file of the checkpoint `directory` (None: it is one). NOTE: a
+    forged manifest must not make a resume read (hash) a file elsewhere, e.g. ../../../etc/shadow."""
+    entry = Path(name)
+    if not name or entry.is_absolute() or ".." in entry.parts:
+        return "which is not a path inside the checkpoint folder"
+    inside, target = directory.resolve(), (directory / entry).resolve()  # every symlink on the way followed
+    if target != inside and inside not in target.parents:
+        return f"which leads outside the checkpoint folder (to {target})"
     return None
 
 
@@ -179,11 +203,42 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int, run_id: str | None = 
         shutil.rmtree(old)
 
 
+# What a trainer state may hold besides its optimizer's moments: scheduler, RNG states (~10 KB), settings.
+STATE_OVERHEAD_BYTES = 16 * 2**20
+# Bytes of state per byte of the checkpoint's adapter: AdamW keeps two fp32 moments per LoRA parameter, 8
+# bytes for an adapter stored in bf16 at 2 bytes a parameter (4x), twice that for room (a third moment).
+STATE_BYTES_PER_ADAPTER_BYTE = 8
+
+
+def check_expansion(path: Path) -> None:
+    """A ValueError naming `path` when the entries of the zip file `path` (torch.save's format) declare more
+    bytes than it can hold: more than its own size (torch stores entries uncompressed: a state that expands
+    is not torch's), or than what a state of this checkpoint can need, from the size of its adapter. NOTE:
+    torch.load allocates each entry's declared size, so a forged 2 MB file could ask for gigabytes."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(entry.file_size for entry in archive.infolist())
+    except (zipfile.BadZipFile, ValueError, EOFError):  # not a zip (torch.load says what it is), or torn
+        return
+    size = path.stat().st_size
+    others = sum(f.stat().st_size for f in path.parent.iterdir() if f.is_file() and f.name != STATE_FILE)
+    need = STATE_OVERHEAD_BYTES + STATE_BYTES_PER_ADAPTER_BYTE * others
+    if declared > size or declared > need:
+        than = (
+            f"its own {size:,} bytes" if declared > size else f"the {need:,} a state of this checkpoint needs"
+        )
+        raise ValueError(
+            f"{path}: its entries would expand to {declared:,} bytes, more than {than}; refusing it"
+        )
+
+
 def load_checkpoint(directory: str | Path) -> dict[str, Any]:
-    """Read `trainer_state.pt` of a checkpoint folder, plain data only (the caller loads the adapter)."""
+    """Read `trainer_state.pt` of a checkpoint folder, plain data only (the caller loads the adapter), once
+    `check_expansion` found its size bounded."""
     path = files.regular_file(Path(directory) / STATE_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint folder (no {STATE_FILE})")
+    check_expansion(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:  # refused global; torn; not a zip
@@ -200,6 +255,147 @@ def load_checkpoint(directory: str | Path) -> dict[str, Any]:
     raise ValueError(f"{path}: not a trainer state (a {type(state).__name__}, not a dict)")
 
 
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # NOTE: a bool is an int to isinstance
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _uint8_vector(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+# The trainer state's fields `set_rng_state` and the resume read: (dotted field, test, what it must be).
+TRAINER_STATE_FIELDS = (
+    ("step", lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("beta", _is_number, "a finite number"),
+    ("run_id", lambda v: v is None or isinstance(v, str), "a string or null"),
+    ("optimizer.state", lambda v: isinstance(v, dict), "a dict"),
+    ("optimizer.param_groups", lambda v: isinstance(v, list), "a list"),
+    ("scheduler", lambda v: isinstance(v, dict), "a dict"),
+    ("rng.python.version", _is_int, "an int"),
+    (
+        "rng.python.state",
+        lambda v: (
+            isinstance(v, list | tuple) and len(v) == 625 and all(_is_int(x) and 0 <= x < 2**32 for x in v)
+        ),
+        "625 ints in [0, 2**32) (the Mersenne Twister's 624 words and its position)",
+    ),
+    ("rng.python.gauss_next", lambda v: v is None or _is_number(v), "a number or null"),
+    ("rng.numpy.algorithm", lambda v: v == "MT19937", "'MT19937'"),
+    (
+        "rng.numpy.key",
+        lambda v: isinstance(v, torch.Tensor) and v.dtype == torch.int64 and tuple(v.shape) == (624,),
+        "an int64 tensor of 624 words",
+    ),
+    ("rng.numpy.pos", lambda v: _is_int(v) and 0 <= v <= 624, "an int in [0, 624]"),
+    ("rng.numpy.has_gauss", lambda v: v in (0, 1) and _is_int(v), "0 or 1"),
+    ("rng.numpy.cached_gaussian", _is_number, "a finite number"),
+    (
+        "rng.torch",
+        lambda v: _uint8_vector(v) and v.numel() == torch.get_rng_state().numel(),
+        "torch's RNG state",
+    ),
+    ("rng.cuda", lambda v: isinstance(v, list) and all(map(_uint8_vector, v)), "a list of CUDA RNG states"),
+)
+
+
+# The fields a resume cannot go without (run_id: an older checkpoint names no run; rng.cuda: a CPU run's).
+RESUME_FIELDS = tuple(f for f, _, _ in TRAINER_STATE_FIELDS if f not in ("run_id", "rng.cuda"))
+
+
+def trainer_state_problem(state: dict[str, Any], required: Collection[str] = ("step",)) -> str | None:
+    """What is wrong with the trainer state `state` as data ("field: why"), None when nothing is: each field
+    of TRAINER_STATE_FIELDS it holds is of its type, and those `required` are there (RESUME_FIELDS: all a
+    resume reads). The optimizer's and scheduler's content is checked against the run's own
+    (`optimizer_state_problem`, `scheduler_state_problem`)."""
+    for field, test, want in TRAINER_STATE_FIELDS:
+        value, *path = state, *field.split(".")
+        for depth, key in enumerate(path):
+            if not isinstance(value, dict):
+                return f"{'.'.join(path[:depth])}: must be a dict, got {_shown(value)}"
+            if key not in value:
+                value = dataclasses.MISSING
+                break
+            value = value[key]
+        if value is dataclasses.MISSING:
+            if field not in required:
+                continue
+            return f"{field}: missing"
+        if not test(value):
+            return f"{field}: must be {want}, got {_shown(value)}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A value in a message: short, its type named."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({type(value).__name__})"
+
+
+def optimizer_state_problem(loaded: Any, optimizer: torch.optim.Optimizer) -> str | None:
+    """What keeps the optimizer state `loaded` from being `optimizer`'s ("field: why"), None when nothing
+    does: its groups as many, their settings of the fresh ones' types (`_alike`); every tensor of a
+    parameter's state of that parameter's shape (a scalar such as Adam's step aside). NOTE: load_state_dict
+    checks only the counts, and a moment of another shape fails at the first step, far from the file."""
+    own = optimizer.state_dict()
+    groups = loaded.get("param_groups") if isinstance(loaded, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(own["param_groups"]):
+        return f"optimizer.param_groups: must be {len(own['param_groups'])} groups, got {_shown(groups)}"
+    shapes = {}
+    for i, (group, mine) in enumerate(zip(groups, own["param_groups"])):
+        where = f"optimizer.param_groups[{i}]"
+        if not isinstance(group, dict) or "params" not in group:
+            return f"{where}: must be a dict with params, got {_shown(group)}"
+        for key, value in group.items():
+            if key in mine and not _alike(value, mine[key]):
+                return f"{where}.{key}: must be like {_shown(mine[key])}, got {_shown(value)}"
+        if not all(map(_is_int, group["params"])):
+            return f"{where}.params: must be parameter indices, got {_shown(group['params'])}"
+        params = optimizer.param_groups[i]["params"]
+        shapes.update({index: p.shape for index, p in zip(group["params"], params)})
+    for index, values in loaded["state"].items():
+        where = f"optimizer.state[{index!r}]"
+        if index not in shapes or not isinstance(values, dict):
+            return f"{where}: no parameter of the groups has this index, or its state is no dict"
+        for key, value in values.items():
+            tensor = isinstance(value, torch.Tensor) and value.is_floating_point()
+            if not (tensor and (value.dim() == 0 or value.shape == shapes[index])) and not _is_number(value):
+                want = f"a number or a tensor of shape {tuple(shapes[index])}"
+                return f"{where}.{key}: must be {want}, got {_shown(value)}"
+    return None
+
+
+def scheduler_state_problem(loaded: Any, scheduler: Any) -> str | None:
+    """What keeps the LR scheduler state `loaded` from being `scheduler`'s: only its keys, each value like
+    its own (`_alike`); None when nothing does. NOTE: load_state_dict sets every key it is given as an
+    attribute of the scheduler, so a foreign key could replace one of its members."""
+    own = scheduler.state_dict()
+    if not isinstance(loaded, dict) or not set(loaded) <= set(own):
+        return f"scheduler: must hold only {', '.join(sorted(own))}, got {_shown(loaded)}"
+    for key, value in loaded.items():
+        if not _alike(value, own[key]):
+            return f"scheduler.{key}: must be like {_shown(own[key])}, got {_shown(value)}"
+    return None
+
+
+def _alike(value: Any, own: Any) -> bool:
+    """Whether a loaded setting `value` can stand where a fresh optimizer or scheduler has `own`: of its type
+    (numbers: any finite one), a list or tuple as long, of numbers or None where `own` holds such; None on
+    either side (an option unset: torch's versions differ in those) fits."""
+    if value is None or own is None or (_is_number(value) and _is_number(own)):
+        return True
+    if type(value) is not type(own):
+        return False
+    if isinstance(value, list | tuple):
+        return len(value) == len(own) and all(map(_alike, value, own))
+    return True
+
+
 def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, Any], str, str | None]:
     """(checkpoint folder, trainer state, run id, report) for resuming the run in `out` from `path`: a
     checkpoint folder, or a run folder, whose newest intact checkpoint is taken; `report` (None: nothing to
@@ -212,6 +408,8 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
             if reason := verify_checkpoint(checkpoint):
                 raise ValueError(reason)
             state = load_checkpoint(checkpoint)
+            if problem := trainer_state_problem(state):
+                raise ValueError(f"{checkpoint / STATE_FILE}: {problem}")
             break
         except (ValueError, OSError) as e:  # OSError: a state file that vanished or cannot be read
             if named:
@@ -269,17 +467,24 @@ def make_run_folder(out: Path) -> Path | None:
 
 
 def read_run_record(out: Path) -> dict | None:
-    """run.json of `out` ({"run_id", "args"}), None when there is none; a ValueError naming it when it is not
-    this project's record."""
+    """run.json of `out` ({"run_id", "args", "plugins"}), None when there is none; a ValueError naming it and
+    the field when it is not this project's record."""
     path = files.regular_file(out / "run.json")
     if not path.exists():
         return None
     record = None
-    with contextlib.suppress(UnicodeDecodeError, json.JSONDecodeError):
+    with contextlib.suppress(ValueError, RecursionError):  # not UTF-8 or JSON, a 5,000-digit int, too deep
         record = json.loads(path.read_text(encoding="utf-8"))
-    if isinstance(record, dict) and isinstance(record.get("run_id"), str):
-        return record
-    raise ValueError(f"{path}: not a run record of this project (a JSON object with a run_id); damaged?")
+    problem = None
+    if not (isinstance(record, dict) and isinstance(record.get("run_id"), str)):
+        problem = "not a run record of this project (a JSON object with a run_id)"
+    elif not isinstance(record.get("args", {}), dict | None):
+        problem = f"args: not an object of settings (a {type(record['args']).__name__})"
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}; damaged?")
+    if "plugins" in record:
+        plugins.check_records(record["plugins"], path)
+    return record
 
 
 def logged_steps(metrics_path: Path) -> int:
@@ -363,11 +568,13 @@ def trim_jsonl(path: Path, last_step: int) -> None:
     files.atomic_write(path, b"".join(line + b"\n" for line in kept))
 
 
-def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: dict) -> str | None:
+def open_run_folder(
+    out: Path, mode: str, run_id: str, start_step: int, config: dict, plugin_files: list[dict] | None = None
+) -> str | None:
     """The first write of a run (`mode` from check_run_folder): remove the replaced run's own files, or trim
-    the logs of the resumed run to its checkpoint; then run.json records the run that owns the folder and its
-    settings (a resumed run's current ones). Returns a line naming what was removed and what else the folder
-    holds (None: nothing removed)."""
+    the logs of the resumed run to its checkpoint; then run.json records the run that owns the folder, its
+    settings (a resumed run's current ones) and, given, its plug-ins' files (plugins.plugin_records). Returns
+    a line naming what was removed and what else the folder holds (None: nothing removed)."""
     removed, kept = [], []
     if mode == "replace" and (record := read_run_record(out)) is not None:
         removed, kept = run_files(out, record["run_id"])
@@ -379,7 +586,10 @@ def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: 
     if mode == "resume":
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
-    record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
+    record = {"run_id": run_id, "args": config}
+    record = json.dumps(
+        record | ({} if plugin_files is None else {"plugins": plugin_files}), indent=2, ensure_ascii=False
+    )
     files.atomic_write(out / "run.json", record.encode() + b"\n")
     if not removed:
         return None
@@ -440,19 +650,45 @@ def flat_settings(settings: dict) -> dict:
     return flat
 
 
+def fits(value: Any, hint: Any) -> bool:
+    """Whether the JSON value `value` (None, bool, int, float, str, list) can be a field of type `hint` (the
+    types settings use: their unions, Literal, tuple[X, ...]); an int fits a float, a bool fits no number.
+    NOTE: JSON knows only these types, so this little covers every value run.json can hold."""
+    origin, parts = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits(value, part) for part in parts)
+    if origin is typing.Literal:
+        return any(value == part and type(value) is type(part) for part in parts)
+    if origin is tuple:
+        each = parts[0] if len(parts) == 2 and parts[1] is Ellipsis else None
+        return isinstance(value, list) and (each is None or all(fits(v, each) for v in value))
+    if hint is float:
+        return type(value) in (int, float)
+    if hint in (type(None), None):
+        return value is None
+    return type(value) is hint if hint in (bool, int, str) else True
+
+
 def settings_from_record(settings: dict, cls: type):
     """The dataclass `cls` (nested settings groups included) from run.json's "args": each field by its flag
     name, in whichever group the record holds it (a setting moved to another group reads back); JSON lists
-    back to tuples; what it lacks keeps the default."""
+    back to tuples; what it lacks keeps the default. A value not of its field's type is a ValueError naming
+    the field ("args: batch_size: ...")."""
     flat = flat_settings(settings)
 
     def build(group: type):
-        values = {}
+        values, hints = {}, typing.get_type_hints(group)
         for field in dataclasses.fields(group):
             value = flat.get(field.name, dataclasses.MISSING)
             if dataclasses.is_dataclass(field.default_factory):  # a settings group: its fields are flat too
                 values[field.name] = build(field.default_factory)
             elif value is not dataclasses.MISSING:
+                if not fits(value, hints[field.name]):
+                    shown = json.dumps(value)
+                    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                    hint = hints[field.name]
+                    kind = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+                    raise ValueError(f"args: {field.name}: {shown} is not of type {kind}")
                 values[field.name] = tuple(value) if isinstance(value, list) else value
         return group(**values)
 

@@ -33,7 +33,7 @@ import math
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -61,6 +61,7 @@ from grpo_vlm import (
     memory,
     metrics,
     multiturn,
+    plugins,
     scoring,
     speedups,
     tasks,
@@ -783,6 +784,10 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     print_if(run.rank == 0 and report is not None, f"warning: {report}")
     with cli.user_errors(f"--resume {checkpoint}: "):
         adapters.load_adapter(run.model, checkpoint)
+    problem = checkpoints.trainer_state_problem(state, required=checkpoints.RESUME_FIELDS)
+    problem = problem or checkpoints.optimizer_state_problem(state["optimizer"], run.optimizer)
+    problem = problem or checkpoints.scheduler_state_problem(state["scheduler"], run.scheduler)
+    cli.check(problem is None, "--resume", f"{checkpoint / checkpoints.STATE_FILE}: {problem}")
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     checkpoints.set_rng_state(state["rng"])
@@ -807,9 +812,17 @@ def command_line(argv: list[str]) -> Args:
     if not resume:
         return tyro.cli(Args, args=argv)
     with cli.user_errors():
-        record = checkpoints.read_run_record(checkpoints.run_folder(None, resume)) or {}
-    recorded = checkpoints.settings_from_record(record.get("args") or {}, Args)
+        out = checkpoints.run_folder(None, resume)
+        record = checkpoints.read_run_record(out) or {}
+    with cli.user_errors(f"{out / 'run.json'}: "):
+        recorded = checkpoints.settings_from_record(record.get("args") or {}, Args)
     return tyro.cli(Args, args=argv, default=dataclasses.replace(recorded, output_dir=None, overwrite=False))
+
+
+def typed_flags(argv: list[str]) -> set[str]:
+    """The flags typed in `argv` (`--reward a b`, `--tools=x`: {"--reward", "--tools"}), for `main`'s
+    `typed`: with --resume, the plug-ins of a flag typed again are accepted as their files are now."""
+    return {a.partition("=")[0] for a in argv if a.startswith("--")}
 
 
 def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
@@ -826,6 +839,26 @@ def run_settings(args: Args, out: Path, mode: str, writer: bool) -> dict | None:
         finished = checkpoints.finished_run(args.resume, out, args.steps)
     print_if(writer and finished is not None, finished)
     return settings if finished is None else None
+
+
+def plugin_flags(args: Args) -> dict[str, tuple[str, ...]]:
+    """The flags that may name plug-ins (code run.json names, which a resume imports), with their values."""
+    return {"--reward": args.rewards.reward, "--tools": args.tools.tools}
+
+
+def check_plugins(args: Args, out: Path, mode: str, typed: Collection[str], writer: bool) -> list[dict]:
+    """run.json's "plugins" for this start (plugins.plugin_records), before any plug-in is imported. A
+    resumed run prints each one it imports, and refuses one whose file changed since the run started (or
+    whose hash run.json lacks) unless its flag is among `typed` (given again on the command line)."""
+    with cli.user_errors():
+        current = plugins.plugin_records(plugin_flags(args))
+        if mode == "resume":
+            record = checkpoints.read_run_record(out) or {}
+            recorded = record.get("plugins")
+            where = out / "run.json"
+            lines = plugins.check_resumed(recorded, current, plugin_flags(args), typed, where)
+            print_if(writer and bool(lines), "\n".join(lines))
+    return current
 
 
 def halt_reason(stop: cli.Signals, bad_in_a_row: int, args: Args) -> str | None:
@@ -1013,10 +1046,12 @@ def train_loop(
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 
-def main(args: Args) -> dict:
+def main(args: Args, typed: Collection[str] = ()) -> dict:
     """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
     a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
-    current step (at once while a reward function runs) and a checkpoint."""
+    current step (at once while a reward function runs) and a checkpoint. `typed`: the flags given on the
+    command line (`typed_flags`); with --resume, the plug-ins of --reward or --tools typed again are
+    accepted as their files are now."""
     with cli.signals(abortable=(rewards.score,)) as stop, contextlib.ExitStack() as held:  # see cli.Signals
         check_args(args)
         if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
@@ -1038,6 +1073,7 @@ def main(args: Args) -> dict:
             mode = "new" if args.dry_run else checkpoints.check_run_folder(out, **options)
         if (settings := run_settings(args, out, mode, writer)) is None:
             return {}  # --resume of a finished run
+        plugin_files = check_plugins(args, out, mode, typed, writer)
         with cli.user_errors():
             dtype = model_io.resolve_dtype(args.dtype, device)
             run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
@@ -1053,7 +1089,7 @@ def main(args: Args) -> dict:
         log = None
         if writer:
             with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
-                replaced = checkpoints.open_run_folder(out, mode, run_id, start_step, settings)
+                replaced = checkpoints.open_run_folder(out, mode, run_id, start_step, settings, plugin_files)
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
             print_if(replaced is not None, replaced)
             accuracy = (first or {}).get("eval/accuracy")
