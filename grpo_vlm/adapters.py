@@ -39,8 +39,9 @@ FIELDS = {
 def read_adapter_config(path: Path) -> dict:
     """adapter_config.json as a dict whose fields lora.py can load; anything else is a ValueError naming the
     file and the field."""
+    raw = files.regular_file(path).read_bytes()
     try:
-        config = json.loads(files.regular_file(path).read_bytes().decode("utf-8"))
+        config = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a JSON file ({e})") from e
     except RecursionError as e:  # json's parser recurses once per '[' or '{'

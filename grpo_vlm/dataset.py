@@ -126,7 +126,7 @@ def check_meaning(sample: dict) -> None:
             kind = entry.get("type")
             if not (kind == "image" or kind == "text" and isinstance(text, str) and text.strip()):
                 raise ValueError(
-                    f"{where}: messages[{i}].content[{j}]: the chat template would drop {entry!r}; "
+                    f"{where}: messages[{i}].content[{j}]: the chat template would drop {str(entry)[:80]}; "
                     'an entry is {"type": "image"} or {"type": "text", "text": "non-empty"}'
                 )
 

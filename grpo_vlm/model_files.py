@@ -22,8 +22,9 @@ from grpo_vlm import files
 
 def read_json(path: Path) -> object:
     """The JSON in `path`; a ValueError naming it when it is not UTF-8, not JSON or nested too deeply."""
+    raw = files.regular_file(path).read_bytes()
     try:
-        return json.loads(files.regular_file(path).read_bytes().decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except RecursionError as e:  # json's parser recurses once per '[' or '{'
         raise ValueError(f"{path}: JSON nested too deeply") from e
     except ValueError as e:  # not UTF-8, not JSON, an integer of more than 4,300 digits

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import signal
 import threading
 import time
@@ -73,11 +74,10 @@ class RewardConfig:
     def check(self) -> None:
         """The values that need nothing loaded; the rewards themselves are checked when they load."""
         timeout = self.reward_timeout
-        if timeout is not None and not 0 < timeout <= MAX_REWARD_TIMEOUT:  # setitimer overflows past time_t
-            raise ValueError(
-                f"--reward-timeout: must be a positive number of seconds, at most {MAX_REWARD_TIMEOUT:.0e} "
-                f"(about 116 days), got {timeout}"
-            )
+        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
+        if timeout is not None and timeout > MAX_REWARD_TIMEOUT:  # setitimer overflows the platform's time_t
+            raise ValueError(f"--reward-timeout: at most {MAX_REWARD_TIMEOUT:.0e} s, got {timeout}")
         # SIGALRM interrupts only the main thread, and Windows has none.
         main_thread = threading.current_thread() is threading.main_thread()
         if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):

@@ -25,7 +25,8 @@ Choices:
 - NOTE: a group of one (no baseline to compare with) gets advantage 0.0; it is counted in
   `singleton_groups`, listed among the wrong-size groups, and counts as zero-std (it carries no signal).
 - G is --group-size, else the most common group size (ties: the larger).
-- Bad lines (blank lines are skipped, not bad): invalid JSON, not an object, missing prompt_id, unknown
+- Bad lines (blank lines are skipped, not bad): not UTF-8, invalid JSON (nested too deeply, an integer of
+  more than 4,300 digits: the file is read line by line), not an object, missing prompt_id, unknown
   prompt_id, `text` not a string, and a reward raising ValueError/KeyError on the line (e.g. ground truth
   missing from its prompt). They never stop the other lines from being scored.
 - A malformed prompts file (invalid JSON, missing or repeated prompt_id) is an error: it is the ground truth.

@@ -3,7 +3,8 @@ exit status 2, no traceback; a bad line of score_rollouts' input spoils that lin
 
 The commands run as subprocesses where a command reads the input (the trainer's flags and model folder, the
 scripts' files); the data, templates and adapters go through the package functions every command calls.
-Images are PNG headers only (a 9400x9400 RGBA file of a few dozen bytes), so no test decodes a large image.
+The 9400x9400 RGBA image is a PNG header only (a few dozen bytes, refused before any decoding), so no test
+decodes a large image.
 """
 
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import model_io
@@ -168,8 +170,8 @@ def test_data_that_cannot_mean_what_it_says_is_refused_naming_file_line_and_fiel
     tmp_path, tiny_processors, case
 ):
     sample, template, expected = DATA_CASES[case]
-    png_header(tmp_path / "wide.png", 20000, 2)
-    png_header(tmp_path / "tall.png", 2, 5000)
+    Image.new("RGB", (20000, 2)).save(tmp_path / "wide.png")  # whole files: a header alone would not decode
+    Image.new("RGB", (2, 5000)).save(tmp_path / "tall.png")
     png_header(tmp_path / "rgba.png", 9400, 9400, color_type=6)
     data = tmp_path / "d.jsonl"
     data.write_text((sample if isinstance(sample, str) else json.dumps(sample, ensure_ascii=False)) + "\n")
