@@ -68,6 +68,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise ValueError(_json_error(where, text, e)) from e
             except RecursionError as e:  # json's parser recurses once per '[' or '{'
                 raise ValueError(f"{where}: JSON nested too deeply") from e
+            except ValueError as e:  # an integer of more than 4,300 digits (Python's int-to-str limit)
+                raise ValueError(f"{where}: {e}") from e
             samples.append(_validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
@@ -115,10 +117,13 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
         raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
-    resolved = [(base_dir / p).resolve() for p in images]
-    for p, full in zip(images, resolved):
-        if not full.is_file():
-            raise ValueError(f"{where}: image {p!r} not found (looked for {full})")
+    try:  # NOTE: a NUL byte or a name too long for the OS raises, where a missing file is only not found
+        resolved = [(base_dir / p).resolve() for p in images]
+        missing = [(p, full) for p, full in zip(images, resolved) if not full.is_file()]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: images: not a usable path ({getattr(e, 'strerror', None) or e})") from e
+    for p, full in missing[:1]:
+        raise ValueError(f"{where}: image {p!r} not found (looked for {full})")
     return {**sample, "images": [str(full) for full in resolved], "_where": where}
 
 

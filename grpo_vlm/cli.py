@@ -77,6 +77,23 @@ def check(condition: bool, flag: str, message: str) -> None:
         raise UsageError(f"{flag}: {message}")
 
 
+def check_utf8(args: Any) -> None:
+    """Raise UsageError('--flag: ...') for a flag whose text is not UTF-8: a byte such as 0xff in a path
+    reaches Python as a lone surrogate, which no UTF-8 file (run.json records every flag) can hold. `args`
+    is a dataclass of flags, its nested groups flat on the command line."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if dataclasses.is_dataclass(value):
+            check_utf8(value)
+            continue
+        for text in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(text, str) and (bad := re.search("[\udc80-\udcff]", text)):
+                raise UsageError(
+                    f"--{field.name.replace('_', '-')}: byte 0x{ord(bad[0]) - 0xDC00:02x} at character "
+                    f"{bad.start() + 1} is not UTF-8; rename the file or folder"
+                )
+
+
 @contextmanager
 def user_errors(prefix: str = "") -> Iterator[None]:
     """Inside, the errors that bad input raises (ValueError with file:line, missing files, unreadable

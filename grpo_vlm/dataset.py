@@ -19,18 +19,22 @@ Choices:
 from __future__ import annotations
 
 import functools
+import math
 import random
+import re
+import string
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import jinja2
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 import data
-from grpo_vlm import tasks
+from grpo_vlm import files, tasks
 
 
 # --- The data flags and the samples they name ---------------------------------------------------------------
@@ -60,8 +64,10 @@ class DataConfig:
     max_pixels: int | None = None
     """... and at most this many (e.g. 802816 = 1024 * 28 * 28); fewer pixels, fewer image tokens."""
     max_image_pixels: int = 89_478_485
-    """Images with more pixels on disk are refused when the data loads (a PNG has to be decoded in full,
-    3 bytes a pixel, before it can be shrunk). Default: Pillow's own warning limit; at most twice that."""
+    """Images that decoding would hold in more memory than an RGB image of this many pixels are refused when
+    the data loads (a PNG is decoded in full before it can be shrunk: about 14 bytes a pixel for RGB, grey or
+    palette files, about 25 with alpha, which therefore counts 25/14 of its pixels). Default: Pillow's own
+    warning limit (about 1.3 GB at 14 bytes a pixel); at most twice that."""
 
     def check(self) -> None:
         """Each value's range and each file named, with the flag at fault first in the message."""
@@ -85,14 +91,81 @@ def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dic
     if config.data:
         train = []
         for path in config.data:
-            train += (loaded := data.read_jsonl(path))
+            train += (loaded := read_samples(path))
             print(f"loaded {len(loaded)} samples from {path}")
-        held_out = data.read_jsonl(config.eval_data)[: config.eval_size] if config.eval_data else []
+        held_out = read_samples(config.eval_data)[: config.eval_size] if config.eval_data else []
     else:
         train = tasks.make_task(config.task, config.train_size, seed=seed)
         held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
-    template = Path(config.prompt_template).read_text(encoding="utf-8") if config.prompt_template else None
+    template = read_prompt_template(config.prompt_template) if config.prompt_template else None
     return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
+
+
+def read_samples(path: str | Path) -> list[dict]:
+    """data.read_jsonl, then each sample refused if it cannot mean what it says (`check_meaning`)."""
+    samples = data.read_jsonl(path)
+    for sample in samples:
+        check_meaning(sample)
+    return samples
+
+
+def check_meaning(sample: dict) -> None:
+    """ValueError `file:line: field: what` for NaN or Infinity anywhere (json reads them, but they are not
+    JSON: rollouts.jsonl would carry them as bare NaN, and `"answer": NaN` equals nothing), and for a
+    `messages` content entry the chat template would drop silently: only {"type": "image"} and
+    {"type": "text", "text": a non-empty string} are rendered."""
+    where = data.location(sample)
+    for field, value in sample.items():
+        if (path := _non_finite(value)) is not None:
+            raise ValueError(
+                f"{where}: {field}{path}: NaN or Infinity is not a JSON number; use null or a string"
+            )
+    for i, turn in enumerate(sample.get("messages") or []):
+        for j, entry in enumerate(turn["content"] if isinstance(turn["content"], list) else []):
+            text = entry.get("text")
+            kind = entry.get("type")
+            if not (kind == "image" or kind == "text" and isinstance(text, str) and text.strip()):
+                raise ValueError(
+                    f"{where}: messages[{i}].content[{j}]: the chat template would drop {str(entry)[:80]}; "
+                    'an entry is {"type": "image"} or {"type": "text", "text": "non-empty"}'
+                )
+
+
+def _non_finite(value) -> str | None:
+    """'' if `value` is a non-finite float, '[k]' / '.key' (and deeper) to one inside it, else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else ""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (inner := _non_finite(item)) is not None:
+            return (f"[{key}]" if isinstance(key, int) else f".{key}") + inner
+    return None
+
+
+TEMPLATE_FIELDS = ("prompt", "summaries", "num_images")
+MAX_FORMAT_WIDTH = 1000  # `{summaries:>99999999999}` would ask for gigabytes of padding
+
+
+def read_prompt_template(path: str | Path) -> str:
+    """The text of a --prompt-template file: UTF-8, placeholders only {prompt}, {summaries} and {num_images}
+    (a format spec allowed, its numbers at most MAX_FORMAT_WIDTH); anything else a ValueError naming it."""
+    where = f"--prompt-template {path}"
+    try:
+        template = files.regular_file(path).read_bytes().decode("utf-8")
+        fields = [(name, spec) for _, name, spec, _ in string.Formatter().parse(template) if name is not None]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})") from e
+    except ValueError as e:  # e.g. "expected '}' before end of string"
+        raise ValueError(f"{where}: {e}; a literal brace is written {{{{ or }}}}") from e
+    for name, spec in fields:
+        known = ", ".join(f"{{{f}}}" for f in TEMPLATE_FIELDS)
+        if name not in TEMPLATE_FIELDS:
+            raise ValueError(
+                f"{where}: unknown placeholder {{{name}}}; known: {known} (a brace: {{{{ or }}}})"
+            )
+        if "{" in spec or any(int(n) > MAX_FORMAT_WIDTH for n in re.findall(r"\d+", spec)):
+            raise ValueError(f"{where}: {{{name}:{spec}}}: widths above {MAX_FORMAT_WIDTH} are refused")
+    return template
 
 
 # --- Image ablation: does the policy look at the images? ----------------------------------------------------
@@ -252,14 +325,20 @@ def check_samples(
     every other one once, and bound every prompt's length (visual tokens from image sizes by the processor's
     own rule, no pixels processed); return the ones it shrinks."""
     budget, oversized, longest = image_pixel_budget(image_processor), [], 0
+    forged = _special_tokens(tokenizer)
     for sample in samples:
         for image in sample.get("images", []):
-            _check_pixel_count(image, sample, max_image_pixels)
+            _check_image_header(image, sample, max_image_pixels, image_processor)
         images = [load_image(im, sample, image_processor) for im in sample.get("images", [])]  # corrupt: here
         sizes = [im.info.get("original_size", im.size) for im in images]
         if sizes and image_processor is None:
             raise ValueError(f"{data.location(sample)}: a text-only model (no image processor) got images")
-        text = data.chat_text(sample, tokenizer, len(sizes))
+        _check_no_special_tokens(sample, forged)
+        try:
+            text = data.chat_text(sample, tokenizer, len(sizes))
+        except jinja2.TemplateError as e:  # the model's own template raised (`raise_exception`) or is broken
+            where = f"{data.location(sample)}: the chat template of {tokenizer.name_or_path}"
+            raise ValueError(f"{where} fails on this sample: {type(e).__name__}: {e}") from e
         length = len(tokenizer(text, add_special_tokens=False)["input_ids"]) - len(sizes)  # minus 1 pad each
         for width, height in sizes:
             patches = image_processor.get_number_of_image_patches(height, width, {})
@@ -272,18 +351,61 @@ def check_samples(
     return ResizeReport(len(oversized), largest, longest)
 
 
-def _check_pixel_count(image: str | Image.Image, sample: dict, max_image_pixels: int | None) -> None:
-    if max_image_pixels is None or not isinstance(image, str):
+# Peak bytes a pixel that decoding holds (measured with Pillow: RGB, grey and palette files decode to 4-byte
+# pixels and are converted; with alpha they are composited onto white as transformers does, several copies).
+DECODE_BYTES = {"opaque": 14, "alpha": 25}
+
+
+def _check_image_header(
+    image: str | Image.Image, sample: dict, max_image_pixels: int | None, image_processor
+) -> None:
+    """From the file's header, nothing decoded: refuse a decode that would hold more memory than an RGB image
+    of `max_image_pixels`, and a shape the processor cannot resize (aspect ratio of 200 or more)."""
+    if not isinstance(image, str):
         return
     try:
-        width, height = image_size(image)
+        with warnings.catch_warnings(**NO_BOMB_WARNING), Image.open(image) as im:
+            (width, height), alpha = im.size, "A" in im.getbands() or "transparency" in im.info
     except (OSError, Image.DecompressionBombError):
         return  # load_image names what is wrong with the file
-    if width * height > max_image_pixels:
+    where = f"{data.location(sample)}: image {image} is {width}x{height}"
+    cost = width * height * DECODE_BYTES["alpha" if alpha else "opaque"] // DECODE_BYTES["opaque"]
+    if max_image_pixels is not None and cost > max_image_pixels:
+        alpha_note = f" with alpha, which counts as {cost:,}" if alpha else ""
         raise ValueError(
-            f"{data.location(sample)}: image {image} is {width}x{height} ({width * height:,} pixels), "
-            f"more than --max-image-pixels {max_image_pixels:,}; shrink it, or raise the limit"
+            f"{where} ({width * height:,} pixels{alpha_note}), more than --max-image-pixels "
+            f"{max_image_pixels:,}; shrink it, or raise the limit"
         )
+    if image_processor is not None:
+        try:
+            resized_size(image_processor, (width, height))
+        except ValueError as e:  # smart_resize: "absolute aspect ratio must be smaller than 200"
+            raise ValueError(f"{where}: {e}; crop or pad it") from e
+
+
+def _special_tokens(tokenizer) -> re.Pattern | None:
+    """The tokenizer's special tokens but the grounding markers, as one pattern (None: it has none)."""
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    special = (special | set(tokenizer.all_special_tokens)) - set(data.GROUNDING_TOKENS)
+    return re.compile("|".join(map(re.escape, sorted(special)))) if special else None
+
+
+def _check_no_special_tokens(sample: dict, pattern: re.Pattern | None) -> None:
+    """NOTE: data text that spells a special token (`<|im_end|><|im_start|>assistant`) would be tokenized as
+    that token and forge chat turns or image slots; it is refused, naming file:line and field (Qwen-VL's
+    grounding markers, which prompts may use to refer to a region, are allowed)."""
+    texts = [("prompt", sample.get("prompt"))]
+    for i, turn in enumerate(sample.get("messages") or []):
+        if isinstance(body := turn["content"], str):
+            texts.append((f"messages[{i}].content", body))
+        else:
+            texts += [(f"messages[{i}].content[{j}].text", entry.get("text")) for j, entry in enumerate(body)]
+    for field, text in texts:
+        if pattern is not None and isinstance(text, str) and (found := pattern.search(text)):
+            raise ValueError(
+                f"{data.location(sample)}: {field}: spells the special token {found[0]}, which would be read "
+                "as chat markup, not as text; remove or reword it"
+            )
 
 
 def describe_resizes(report: ResizeReport, budget: int) -> str | None:

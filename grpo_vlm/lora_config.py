@@ -41,6 +41,29 @@ class LoRAConfig:
                 raise ValueError(f"{flag}: {message}, got {getattr(self, flag[2:].replace('-', '_'))}")
 
 
+def training_bytes(model: nn.Module, config: LoRAConfig) -> int:
+    """Bytes the adapters `inject` adds hold while training: A and B, their gradients and AdamW's two moments
+    (four copies), in fp32 (`lora_fp32`) or the base dtype. Computed from the layers' shapes, nothing made."""
+    _, blocks = lora.find_decoder_blocks(model)
+    linears = lora.target_linears(model, list(blocks)[-config.lora_last_k :], lora.DEFAULT_TARGETS)
+    itemsize = 4 if config.lora_fp32 else next(model.parameters()).element_size()
+    return 4 * itemsize * config.lora_r * sum(lin.in_features + lin.out_features for lin in linears.values())
+
+
+def check_fits(model: nn.Module, config: LoRAConfig, budget_bytes: int) -> None:
+    """Refuse (ValueError naming --lora-r) adapters whose training memory, beside the model's weights, is
+    more than `budget_bytes`, before any is allocated: a huge rank would otherwise fill the machine first."""
+    need = training_bytes(model, config)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if need + weights > budget_bytes:
+        gib = 2**30
+        raise ValueError(
+            f"--lora-r: {config.lora_r} on the last {config.lora_last_k} blocks needs {need / gib:,.1f} GiB "
+            f"(A, B, gradients, AdamW moments) beside {weights / gib:,.1f} GiB of weights, more than the "
+            f"{budget_bytes / gib:,.1f} GiB this device has to spare; lower --lora-r or --lora-last-k"
+        )
+
+
 def inject(model: nn.Module, config: LoRAConfig) -> list[str]:
     """lora.inject_lora with these settings: the last `lora_last_k` decoder blocks; the wrapped names."""
     return lora.inject_lora(

@@ -33,6 +33,9 @@ BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
 }
 
 
+MAX_REWARD_TIMEOUT = 1e7  # seconds; signal.setitimer overflows the platform time_t far above it
+
+
 @dataclasses.dataclass
 class RewardConfig:
     """Which rewards score a completion, how they combine, and which one means "correct". Field names are
@@ -73,6 +76,8 @@ class RewardConfig:
         timeout = self.reward_timeout
         if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
             raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
+        if timeout is not None and timeout > MAX_REWARD_TIMEOUT:  # setitimer overflows the platform's time_t
+            raise ValueError(f"--reward-timeout: at most {MAX_REWARD_TIMEOUT:.0e} s, got {timeout}")
         # SIGALRM interrupts only the main thread, and Windows has none.
         main_thread = threading.current_thread() is threading.main_thread()
         if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):

@@ -60,6 +60,7 @@ from grpo_vlm import (
     lora_config,
     memory,
     metrics,
+    model_files,
     multiturn,
     plugins,
     scoring,
@@ -576,9 +577,13 @@ FP16_REFUSED = (
 )
 
 
+MAX_SEED = 10**9
+
+
 def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
     each settings group checks its own, then the trainer's flags and the rules that span groups."""
+    cli.check_utf8(args)
     with cli.user_errors():
         args.samples.check()
         with cli.fields_as_flags(args.sampling, args.adv, args.loss):  # grpo.py's settings name fields
@@ -610,6 +615,10 @@ def check_args(args: Args) -> None:
     for flag, ok, message in ranges:
         cli.check(ok, flag, f"{message}, got {getattr(a, flag[2:].replace('-', '_'))}")
     cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
+    temperature = a.sampling.temperature
+    cli.check(math.isfinite(temperature), "--temperature", f"must be a finite number, got {temperature}")
+    # NOTE: the per-step and per-rank seeds multiply the seed by about 1e10 and must fit torch's 64 bits
+    cli.check(0 <= a.seed < MAX_SEED, "--seed", f"must be in [0, {MAX_SEED:,}), got {a.seed}")
     gated_sum = a.adv.multi_objective_aggregation == "normalize_then_sum" and a.rewards.gate
     cli.check(not gated_sum, "--gate", "has no meaning with normalize_then_sum (no total)")
     required = "is required with --data (e.g. --reward label format)"
@@ -688,7 +697,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     accuracy_name, names = args.rewards.accuracy_reward or reward_fns[0].name, [r.name for r in reward_fns]
     cli.check(accuracy_name in names, "--accuracy-reward", f"{accuracy_name!r} is not a --reward")
     options = dict(device=device, dtype=dtype, attn_implementation=args.attn_implementation)
-    model, tokenizer, image_processor = model_io.load_model(args.model, **options)
+    model, tokenizer, image_processor = model_files.load_model(args.model, **options)
     # the vision tower on FlashAttention-2's variable-length kernel where it can run (attention.py)
     print_if(rank == 0, attention.set_per_part(model, args.attn_implementation, device, dtype))
     config = args.samples
@@ -701,6 +710,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     message = dataset.describe_resizes(resized, dataset.image_pixel_budget(image_processor))
     print_if(rank == 0 and message is not None, message)
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
+    lora_config.check_fits(model, args.lora, memory.device_budget(device))  # a huge --lora-r: before it fills
     lora_config.inject(model, args.lora)
     speed, lines = fit_memory(args, model, device, dtype, resized.longest_prompt)
     print_if(rank == 0 and bool(lines), "\n".join(lines))

@@ -78,6 +78,7 @@ from grpo_vlm import (
     dataset,
     distributed,
     grounding,
+    model_files,
     multiturn,
     scoring,
     speedups,
@@ -158,14 +159,14 @@ GROUND_TRUTH = ("label", "answer", "bbox", "boxes", "region", "count")
 
 def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     """The samples, each with `_source` and `_id` (its key in the output), and the built-in task or None."""
-    template = Path(args.prompt_template).read_text(encoding="utf-8") if args.prompt_template else None
+    template = dataset.read_prompt_template(args.prompt_template) if args.prompt_template else None
     if not args.data:
         samples = tasks.make_task(args.task, args.eval_size, split="test", seed=args.seed)
         samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
         return dataset.apply_prompt_template(samples, template), args.task
     samples, seen = [], {}
     for path in args.data:
-        for s in data.read_jsonl(path):
+        for s in dataset.read_samples(path):
             s = {**s, "_source": path, "_id": str(s["id"]) if "id" in s else s["_where"]}
             key = (s["_source"], s["_id"])
             # NOTE: a repeated id would make resuming skip the second sample as already done.
@@ -456,7 +457,7 @@ def load_model(args: Args, device: torch.device):
     with cli.user_errors("--dtype: "):
         dtype = model_io.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
-        model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+        model, tokenizer, image_processor = model_files.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors():
         dataset.set_pixel_budget(image_processor, args.min_pixels, args.max_pixels)
     if args.adapter:

@@ -123,7 +123,7 @@ def read_resumable(path: Path, key: str, producer: str) -> list[dict]:
     for lineno, line in enumerate(lines, start=1):
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON or UTF-8, an int of 4,300+ digits, nested too deep
             if lineno < len(lines):
                 raise ValueError(
                     f"{path}:{lineno}: invalid JSON before the last line; fix that line, pass --overwrite, "

@@ -25,7 +25,8 @@ Choices:
 - NOTE: a group of one (no baseline to compare with) gets advantage 0.0; it is counted in
   `singleton_groups`, listed among the wrong-size groups, and counts as zero-std (it carries no signal).
 - G is --group-size, else the most common group size (ties: the larger).
-- Bad lines (blank lines are skipped, not bad): invalid JSON, not an object, missing prompt_id, unknown
+- Bad lines (blank lines are skipped, not bad): not UTF-8, invalid JSON (nested too deeply, an integer of
+  more than 4,300 digits: the file is read line by line), not an object, missing prompt_id, unknown
   prompt_id, `text` not a string, and a reward raising ValueError/KeyError on the line (e.g. ground truth
   missing from its prompt). They never stop the other lines from being scored.
 - A malformed prompts file (invalid JSON, missing or repeated prompt_id) is an error: it is the ground truth.
@@ -57,6 +58,7 @@ import os
 import signal
 import sqlite3
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,45 +101,59 @@ class Args:
 # Reading
 
 
+class Unreadable(str):
+    """Why a line holds no JSON."""
+
+
+def json_lines(path: str) -> Iterator[tuple[int, object]]:
+    """(line number, the line's JSON or why it has none: `Unreadable`) of each non-blank line, read one line
+    at a time: a byte that is not UTF-8, JSON nested too deeply or an integer of more than 4,300 digits
+    spoils its own line only."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield lineno, json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield lineno, Unreadable(f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+            except json.JSONDecodeError as e:
+                yield lineno, Unreadable(f"invalid JSON ({e.msg} at column {e.colno})")
+            except RecursionError:  # json's parser recurses once per '[' or '{'
+                yield lineno, Unreadable("JSON nested too deeply")
+            except ValueError as e:  # an integer of more than 4,300 digits
+                yield lineno, Unreadable(str(e))
+
+
 def read_prompts(path: str) -> dict[str, dict]:
     """prompt_id -> prompt record; any problem is an error naming file:line."""
     prompts = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise cli.UsageError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(record, dict) or "prompt_id" not in record:
-                raise cli.UsageError(f"{where}: a prompt must be an object with a prompt_id")
-            pid = str(record["prompt_id"])
-            if pid in prompts:
-                raise cli.UsageError(f"{where}: prompt_id {pid!r} appears twice")
-            prompts[pid] = record
+    for lineno, record in json_lines(path):
+        where = f"{path}:{lineno}"
+        if isinstance(record, Unreadable):
+            raise cli.UsageError(f"{where}: {record}")
+        if not isinstance(record, dict) or "prompt_id" not in record:
+            raise cli.UsageError(f"{where}: a prompt must be an object with a prompt_id")
+        pid = str(record["prompt_id"])
+        if pid in prompts:
+            raise cli.UsageError(f"{where}: prompt_id {pid!r} appears twice")
+        prompts[pid] = record
     return prompts
 
 
 def parse_rollouts(path: str, prompts: dict[str, dict]) -> tuple[list[tuple[int, dict]], list[dict], int]:
     """(line number, record) of the usable lines, the bad lines {line, reason}, the non-blank line count."""
     good, bad, n_lines = [], [], 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            n_lines += 1
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                bad.append({"line": lineno, "reason": f"invalid JSON ({e})"})
-                continue
-            reason = _problem(record, prompts)
-            if reason:
-                bad.append({"line": lineno, "reason": reason})
-            else:
-                good.append((lineno, record))
+    for lineno, record in json_lines(path):
+        n_lines += 1
+        if isinstance(record, Unreadable):
+            bad.append({"line": lineno, "reason": str(record)})
+            continue
+        reason = _problem(record, prompts)
+        if reason:
+            bad.append({"line": lineno, "reason": reason})
+        else:
+            good.append((lineno, record))
     return good, bad, n_lines
 
 

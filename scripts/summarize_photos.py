@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import io
 import json
 import math
 import os
@@ -85,7 +86,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import adapters, cli, dataset, distributed, speedups
+from grpo_vlm import adapters, cli, dataset, distributed, model_files, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
@@ -273,27 +274,44 @@ def is_verdict(label: str) -> bool:
     return True
 
 
+def read_text(path: Path) -> str:
+    """The file as text (utf-8-sig: Excel writes a byte-order mark); a byte not UTF-8 names its line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from e
+
+
 def label_rows(path: Path) -> Iterator[tuple[str, object, object]]:
     """('file:line', group_id, label) of every row of a CSV (with a header) or JSONL labels file."""
-    with path.open(encoding="utf-8-sig", newline="") as f:  # utf-8-sig: Excel writes a byte-order mark
-        if path.suffix.lower() == ".csv":
-            reader = csv.DictReader(f)
+    text = read_text(path)
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
             columns = reader.fieldnames or []
             if not {"group_id", "label"} <= set(columns):
                 raise ValueError(f"{path}:1: needs a header with columns group_id,label; found {columns}")
             for row in reader:
                 yield f"{path}:{reader.line_num}", row["group_id"], row["label"]
-            return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON at column {e.colno}: {e.msg}") from e
-            if not isinstance(row, dict):
-                raise ValueError(f'{path}:{lineno}: a line must be a JSON object {{"group_id", "label"}}')  # noqa: TRY004 (a data error, reported as one)
-            yield f"{path}:{lineno}", row.get("group_id"), row.get("label")
+        except csv.Error as e:  # e.g. a field over csv's limit of 131,072 characters
+            raise ValueError(f"{path}:{reader.line_num}: not a CSV row ({e})") from e
+        return
+    for lineno, line in enumerate(io.StringIO(text, newline=""), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON at column {e.colno}: {e.msg}") from e
+        except RecursionError as e:  # json's parser recurses once per '[' or '{'
+            raise ValueError(f"{path}:{lineno}: JSON nested too deeply") from e
+        except ValueError as e:  # an integer of more than 4,300 digits
+            raise ValueError(f"{path}:{lineno}: {e}") from e
+        if not isinstance(row, dict):
+            raise ValueError(f'{path}:{lineno}: a line must be a JSON object {{"group_id", "label"}}')  # noqa: TRY004 (a data error, reported as one)
+        yield f"{path}:{lineno}", row.get("group_id"), row.get("label")
 
 
 def read_labels(path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -426,7 +444,7 @@ def load_model(args: Args, device: torch.device):
     with cli.user_errors("--dtype: "):
         dtype = model_io.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
-        model, tokenizer, image_processor = model_io.load_model(args.model, device=device, dtype=dtype)
+        model, tokenizer, image_processor = model_files.load_model(args.model, device=device, dtype=dtype)
     cli.check(
         image_processor is not None, "--model", f"{args.model} is a text-only model; stage A needs a VLM"
     )

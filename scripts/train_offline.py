@@ -64,7 +64,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs, lora_config
+from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs, lora_config, model_files
 from scripts import mock_rollouts, outputs
 
 
@@ -188,8 +188,10 @@ def read_scored(path: str) -> list[dict]:
             raise ValueError(f"{where}: field 'scores' must be a list of numbers")  # noqa: TRY004 (data error)
         for i, x in enumerate(scores):
             number = isinstance(x, (int, float)) and not isinstance(x, bool)
-            if not number or not math.isfinite(x):  # json reads NaN and Infinity
-                raise ValueError(f"{where}: scores[{i}] = {x!r} is not {'finite' if number else 'a number'}")
+            # NOTE: json reads NaN and Infinity, and 1e39 becomes inf in the float32 tensor of scores
+            if not number or not abs(x) <= torch.finfo(torch.float32).max:
+                what = "finite in float32 (|score| <= 3.4e38)" if number else "a number"
+                raise ValueError(f"{where}: scores[{i}] = {x!r} is not {what}")
         if (G := len(completions)) != len(scores):
             raise ValueError(f"{where}: {G} completions but {len(scores)} scores (must be equal)")
         if G < 2:
@@ -375,7 +377,7 @@ def load_inputs(args: Args):
         dtype = model_io.resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)  # LoRA's A matrices are drawn from it
     with cli.user_errors("--model: "):
-        model, tokenizer, processor = model_io.load_model(args.model, device=device, dtype=dtype)
+        model, tokenizer, processor = model_files.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors("--lora-last-k: "):
         lora_config.inject(model, args.lora)
     with cli.user_errors():  # every image decodes and every prompt and completion fits, before any forward

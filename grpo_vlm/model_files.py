@@ -1,0 +1,76 @@
+"""A model folder read as data (`--model`): its JSON files, its weights and transformers' failures on them
+named in one line.
+
+model_io.load_model hands the folder to transformers, whose failures on a hostile folder are tracebacks that
+name no file: JSON nested 100,000 deep (RecursionError), a weights file cut short (SafetensorError), sizes
+in config.json that the weights do not have (a RuntimeError after a table of every mismatched tensor).
+`load_model` reads every JSON file of a local folder first, then turns those failures into a ValueError that
+names the folder, the file or the first tensor whose size differs.
+"""
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import SafetensorError
+
+import model_io
+from grpo_vlm import files
+
+
+def read_json(path: Path) -> object:
+    """The JSON in `path`; a ValueError naming it when it is not UTF-8, not JSON or nested too deeply."""
+    raw = files.regular_file(path).read_bytes()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as e:  # json's parser recurses once per '[' or '{'
+        raise ValueError(f"{path}: JSON nested too deeply") from e
+    except ValueError as e:  # not UTF-8, not JSON, an integer of more than 4,300 digits
+        raise ValueError(f"{path}: not a JSON file this project can read ({e})") from e
+
+
+@contextlib.contextmanager
+def _size_mismatches() -> Iterator[list[str]]:
+    """Inside, transformers' load report is held back when it lists tensors of the wrong size (the load then
+    raises); the list gets the first such line, its columns squeezed to single spaces."""
+    found: list[str] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message or "MISMATCH" not in message:
+            return True
+        found.append(" ".join(next(line for line in message.splitlines() if "MISMATCH" in line).split()))
+        return False
+
+    logger = logging.getLogger("transformers.modeling_utils")  # the logger that writes the report
+    logger.addFilter(keep)
+    try:
+        yield found
+    finally:
+        logger.removeFilter(keep)
+
+
+def load_model(name_or_path: str, *, device, dtype, attn_implementation: str | None = None):
+    """model_io.load_model with the folder's JSON files read first and its weights' failures named
+    (ValueError): (model, tokenizer, image_processor or None)."""
+    folder = Path(name_or_path).expanduser()
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        read_json(path)
+    with _size_mismatches() as mismatches:
+        try:
+            return model_io.load_model(
+                name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except SafetensorError as e:  # NOTE: a file cut short, emptied or not safetensors at all
+            raise ValueError(
+                f"{name_or_path}: a weights file is unreadable ({e}); damaged or cut short?"
+            ) from None
+        except RuntimeError:
+            if not mismatches:
+                raise
+            raise ValueError(
+                f"{name_or_path}: the weights do not have the sizes config.json gives (hidden sizes or layer "
+                f"counts edited?): {mismatches[0]}"
+            ) from None
