@@ -122,8 +122,8 @@ def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
         missing = [(p, full) for p, full in zip(images, resolved) if not full.is_file()]
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: images: not a usable path ({getattr(e, 'strerror', None) or e})") from e
-    for p, full in missing[:1]:
-        raise ValueError(f"{where}: image {p!r} not found (looked for {full})")
+    if missing:
+        raise ValueError(f"{where}: image {missing[0][0]!r} not found (looked for {missing[0][1]})")
     return {**sample, "images": [str(full) for full in resolved], "_where": where}
 
 

@@ -8,9 +8,8 @@
 
 Each step: B prompts -> G completions each from `generate` (N = B * G rows) -> completion mask -> rewards
 -> group advantages -> old and reference log-probs (no grad) -> log-probs with grad from one full forward
--> loss -> backward -> clip -> AdamW step on the LoRA parameters -> metrics. Read grpo.py's docstring first
-(the objective and every choice where papers differ), then `grpo.grpo_loss`, `grpo.group_advantages` and
-`train_step` below.
+-> loss -> backward -> clip -> AdamW step on the LoRA parameters -> metrics. Read grpo.py's docstring (the
+objective, every choice where papers differ), `grpo.grpo_loss`, `grpo.group_advantages`, then `train_step`.
 
 Deliberate simplifications, each lifted by the full trainer in grpo_vlm/ (`python -m grpo_vlm`), which
 imports these modules and takes the same step (to rounding) much faster:
@@ -19,7 +18,7 @@ imports these modules and takes the same step (to rounding) much faster:
 - one process, no run-folder lock, no verified checkpoints: `checkpoint.pt` holds tensors only (LoRA,
   AdamW, RNG, step) and is written whole (a temporary file renamed over it).
 - no dynamic sampling, tools, trackers, image ablation, adaptive KL or plug-in time limits.
-Legend: B prompts, G completions per prompt, N = B * G rows, P prompt length, T completion length.
+B prompts, G completions per prompt, N = B * G rows, P prompt length, T completion length.
 """
 
 import json
