@@ -379,12 +379,21 @@ def open_run_folder(out: Path, mode: str, run_id: str, start_step: int, config: 
     if mode == "resume":
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
-    record = json.dumps({"run_id": run_id, "args": config}, indent=2, ensure_ascii=False)
+    # NOTE: "finished" turns true only at the run's real end (`mark_finished`): a process a plug-in ended
+    # with os._exit(0), whose exit status says success, leaves it false.
+    record = json.dumps({"run_id": run_id, "args": config, "finished": False}, indent=2, ensure_ascii=False)
     files.atomic_write(out / "run.json", record.encode() + b"\n")
     if not removed:
         return None
     left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""
     return f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
+
+
+def mark_finished(out: Path) -> None:
+    """run.json's "finished": true, the last write of a run that trained every step and wrote its adapter."""
+    record = read_run_record(out)
+    text = json.dumps({**record, "finished": True}, indent=2, ensure_ascii=False)
+    files.atomic_write(out / "run.json", text.encode() + b"\n")
 
 
 @contextlib.contextmanager
