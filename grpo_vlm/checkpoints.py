@@ -1,9 +1,10 @@
 """A run folder and its checkpoints: one writer per folder, the run.json marker, checkpoints that prove they
 are whole, and what a resume loads.
 
-A run folder holds run.json (the run's id and settings), metrics.jsonl, timings.jsonl and rollouts.jsonl
-(appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by the caller's function, e.g.
-model_io.save_adapter, and the trainer state), and at the end adapter/ and curves.png.
+A run folder holds run.json (the run's id and settings, and whether it finished), metrics.jsonl,
+timings.jsonl and rollouts.jsonl (appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by
+the caller's function, e.g. model_io.save_adapter, and the trainer state), and at the end adapter/ and
+curves.png.
 
 Choices:
 - One writer per folder: the process that trains holds the folder's lock (cli.hold_lock) from before it looks

@@ -5,7 +5,8 @@ Exit statuses (the same for every command of the project):
     1    an internal error, a bug: Python's traceback is printed, as it should be
     2    a usage or input error (a bad flag, file, data line or reward plug-in): one message that names the
          flag or file:line:field, says what is wrong and how to fix it; no traceback. A reward plug-in that
-         raises, or returns a non-number, is reported the same way (an exception with `user_message`)
+         raises, or returns a non-number, is reported the same way (an exception with `user_message`), and
+         so is a reward or tool plug-in that calls sys.exit() or raises KeyboardInterrupt (`call_plugin`)
     74   an output could not be written (no space left, permission denied, read-only filesystem, a vanished
          folder): one line naming the file and the cause; what was half-written is removed, the previous
          checkpoint is intact, and the same command (train.py: `--resume DIR`) goes on once the cause is gone
