@@ -3,6 +3,7 @@
 import os
 import signal
 import sys
+import traceback
 
 if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
@@ -12,5 +13,11 @@ from grpo_vlm import cli, distributed, train
 if __name__ == "__main__":
     try:
         cli.run(lambda argv: train.main(train.command_line(argv), train.typed_flags(argv)), sys.argv[1:])
+    except SystemExit as e:
+        code = e.code
+    except Exception:  # noqa: BLE001 (a bug: its traceback, exit 1, as Python would)
+        traceback.print_exc()
+        code = cli.EXIT_INTERNAL
     finally:
         distributed.finish_distributed()  # torchrun: destroy the process group, after a stop too
+    cli.exit_process(code)  # NOTE: never waits for a thread a plug-in left running

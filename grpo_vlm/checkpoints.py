@@ -1,9 +1,10 @@
 """A run folder and its checkpoints: one writer per folder, the run.json marker, checkpoints that prove they
 are whole, and what a resume loads.
 
-A run folder holds run.json (the run's id and settings), metrics.jsonl, timings.jsonl and rollouts.jsonl
-(appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by the caller's function, e.g.
-model_io.save_adapter, and the trainer state), and at the end adapter/ and curves.png.
+A run folder holds run.json (the run's id and settings, and whether it finished), metrics.jsonl,
+timings.jsonl and rollouts.jsonl (appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by
+the caller's function, e.g. model_io.save_adapter, and the trainer state), and at the end adapter/ and
+curves.png.
 
 Choices:
 - One writer per folder: the process that trains holds the folder's lock (cli.hold_lock) from before it looks
@@ -586,7 +587,9 @@ def open_run_folder(
     if mode == "resume":
         for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
             trim_jsonl(out / name, start_step)
-    record = {"run_id": run_id, "args": config}
+    # NOTE: "finished" turns true only at the run's real end (`mark_finished`): a process a plug-in ended
+    # with os._exit(0), whose exit status says success, leaves it false.
+    record = {"run_id": run_id, "args": config, "finished": False}
     record = json.dumps(
         record | ({} if plugin_files is None else {"plugins": plugin_files}), indent=2, ensure_ascii=False
     )
@@ -595,6 +598,13 @@ def open_run_folder(
         return None
     left = f"; left in place (not the run's own): {', '.join(p.name for p in kept)}" if kept else ""
     return f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
+
+
+def mark_finished(out: Path) -> None:
+    """run.json's "finished": true, the last write of a run that trained every step and wrote its adapter."""
+    record = read_run_record(out)
+    text = json.dumps({**record, "finished": True}, indent=2, ensure_ascii=False)
+    files.atomic_write(out / "run.json", text.encode() + b"\n")
 
 
 @contextlib.contextmanager

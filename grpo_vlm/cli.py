@@ -5,7 +5,8 @@ Exit statuses (the same for every command of the project):
     1    an internal error, a bug: Python's traceback is printed, as it should be
     2    a usage or input error (a bad flag, file, data line or reward plug-in): one message that names the
          flag or file:line:field, says what is wrong and how to fix it; no traceback. A reward plug-in that
-         raises, or returns a non-number, is reported the same way (an exception with `user_message`)
+         raises, or returns a non-number, is reported the same way (an exception with `user_message`), and
+         so is a reward or tool plug-in that calls sys.exit() or raises KeyboardInterrupt (`call_plugin`)
     74   an output could not be written (no space left, permission denied, read-only filesystem, a vanished
          folder): one line naming the file and the cause; what was half-written is removed, the previous
          checkpoint is intact, and the same command (train.py: `--resume DIR`) goes on once the cause is gone
@@ -18,8 +19,11 @@ raise with their file:line messages into one; inside `fields_as_flags()`, the fi
 settings raise in become the flags. Signals: `signals()` turns SIGINT / SIGTERM into `Stopped` at once
 while nothing needs finishing (loading, validation, the first evaluation), and into a request that the
 training loop honours after its current step once `defer()` has been called (at once again while an
-`abortable` function runs: slow user code that writes nothing). One writer per output: `hold_lock` takes
-an exclusive lock that the operating system releases when the process ends. Stdlib only.
+`abortable` function runs: slow user code that writes nothing). A plug-in's call (a reward, a tool) goes
+through `call_plugin`: bounded in time, stopped by a signal even when it swallows the stop, and never read as
+a success or a user's stop when it calls sys.exit() or raises another BaseException. One writer per output:
+`hold_lock` takes an exclusive lock that the operating system releases when the process ends. `exit_process`
+ends the process without waiting for threads a plug-in left running. Stdlib only.
 """
 
 import contextlib
@@ -30,15 +34,19 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_INTERNAL = 1
 EXIT_USAGE = 2
 EXIT_WRITE = 74  # sysexits.h's EX_IOERR
 EXIT_STOPPED = 130
+# Seconds a plug-in has to return once a signal stopped it; then the process exits (130) without waiting more.
+STOP_GRACE_S = 10.0
 
 
 class UsageError(ValueError):
@@ -69,6 +77,15 @@ class Stopped(SystemExit):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.code = EXIT_STOPPED
+
+
+class PluginExit(Exception):
+    """A plug-in's call ended in sys.exit(), KeyboardInterrupt or another BaseException that is no Exception
+    (the original is its __cause__): the plug-in's failure, neither a result nor a user's stop."""
+
+
+class PluginTimeout(Exception):
+    """A plug-in's call ran past its time limit, whatever it returned or raised."""
 
 
 def check(condition: bool, flag: str, message: str) -> None:
@@ -169,16 +186,19 @@ def hold_lock(path: str | os.PathLike, what: str):
 class Signals:
     """SIGINT / SIGTERM as `Stopped` (before `defer()`) or as a request honoured after the step (after).
 
-    `requests` holds the names of the signals received while deferred. A second Ctrl-C while a request is
-    pending stops at once (KeyboardInterrupt), as usual. While one of the `abortable` functions runs (user
-    code that may take minutes and writes nothing, e.g. scoring with a reward plug-in), a signal raises
-    `Stopped` at once even when deferred: the caller redoes that work from its last consistent state.
+    `requests` holds the names of the signals received. A second Ctrl-C while a request is pending stops at
+    once (KeyboardInterrupt), as usual. While one of the `abortable` functions runs (user code that may take
+    minutes and writes nothing: `call_plugin` always, a reward or a tool), a signal raises `Stopped` at once
+    even when deferred: the caller redoes that work from its last consistent state. A plug-in that swallows
+    the stop gets it again when it returns (`call_plugin`); one that has not returned STOP_GRACE_S seconds
+    later is not waited for: the process exits (130), the checkpoints written before intact.
     """
 
     def __init__(self, abortable: tuple[Callable, ...] = ()) -> None:
         self.deferred = False
         self.requests: list[str] = []
-        self.abortable = {fn.__code__ for fn in abortable}
+        self.abortable = {fn.__code__ for fn in (*abortable, call_plugin)}
+        self.watchdog: threading.Timer | None = None  # armed while a stopped plug-in has not returned
 
     def defer(self) -> None:
         """From now on a signal lets the current step finish (work was written that must stay consistent)."""
@@ -186,16 +206,37 @@ class Signals:
 
     def handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if not self.deferred:
-            raise Stopped(f"stopped by {name} before training started; nothing was written")
-        if self.requests and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requests.append(name)
         while frame is not None and frame.f_code not in self.abortable:
             frame = frame.f_back
-        if frame is not None:  # the signal interrupted an abortable function: stop it now
+        in_plugin = frame is not None  # the signal interrupted an abortable function: stop it now
+        if self.requests and signum == signal.SIGINT and not in_plugin:
+            raise KeyboardInterrupt
+        self.requests.append(name)
+        if in_plugin and self.watchdog is None:
+            self.watchdog = threading.Timer(STOP_GRACE_S, _exit_stuck, args=(name,))
+            self.watchdog.daemon = True
+            self.watchdog.start()
+        if not self.deferred:
+            raise Stopped(f"stopped by {name} before training started; nothing was written")
+        if in_plugin:
             raise Stopped(f"stopped by {name}")
         print(f"\n{name} received: finishing the current step, then writing a checkpoint", flush=True)
+
+    def plugin_returned(self) -> None:
+        """The plug-in's call is over: the process is no longer at its mercy."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
+
+
+def _exit_stuck(name: str) -> None:
+    print(
+        f"\nstopped by {name}: a plug-in did not return within {STOP_GRACE_S:g} s of it; exiting without a "
+        "checkpoint of the current step (the checkpoints written before are intact)",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(EXIT_STOPPED)
 
 
 @contextmanager
@@ -209,6 +250,106 @@ def signals(abortable: tuple[Callable, ...] = ()) -> Iterator[Signals]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _installed_signals() -> Signals | None:
+    """The `Signals` whose handler is installed (`signals()`), or None: the process's own state, not ours."""
+    owner = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
+    return owner if isinstance(owner, Signals) else None
+
+
+class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
+    pass
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _Expired
+
+
+@contextmanager
+def _alarm(timeout: float) -> Iterator[None]:
+    """Raise _Expired inside the `with` block after `timeout` seconds (SIGALRM); the previous SIGALRM handler
+    and timer (less the time spent here) come back after it."""
+    previous = signal.signal(signal.SIGALRM, _expire)
+    started, (delay, interval) = time.monotonic(), signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if delay:  # 1 microsecond at least: a timer of 0 would be no timer at all
+            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
+
+
+def check_time_limit(flag: str, seconds: float | None) -> None:
+    """A ValueError naming `flag` unless `seconds` is None or a positive finite number SIGALRM can time."""
+    if seconds is not None and not seconds > 0:  # NOTE: NaN fails too
+        raise ValueError(f"{flag}: must be a positive number of seconds, got {seconds}")
+    if seconds is not None and seconds > 1e9:  # setitimer overflows far below 1e300 (and inf)
+        raise ValueError(f"{flag}: at most 1e9 seconds (no limit: leave it out), got {seconds}")
+    # SIGALRM interrupts only the main thread, and Windows has none.
+    main_thread = threading.current_thread() is threading.main_thread()
+    if seconds is not None and not (hasattr(signal, "setitimer") and main_thread):
+        raise ValueError(f"{flag}: unsupported here (it needs SIGALRM, in the main thread)")
+
+
+def _what_it_did(error: BaseException) -> str:
+    if type(error) is SystemExit:
+        return f"called sys.exit({error.code!r})"
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"raised {type(error).__name__}{f': {error}' if str(error) else ''}{where}"
+
+
+def call_plugin(what: str, fn: Callable, args: tuple, kwargs: dict, *, timeout: float | None = None) -> Any:
+    """fn(*args, **kwargs), the call of a plug-in (`what`: "reward function", "tool"), bounded:
+    - after `timeout` seconds (None: no limit) SIGALRM interrupts it, and a call that ran longer raises
+      PluginTimeout whatever it returned or raised: a bare `except:` swallows the alarm, not the clock;
+    - a signal during the call stops it (`Signals`), and one the plug-in swallowed is raised when it returns;
+    - sys.exit(), KeyboardInterrupt or another BaseException that is no Exception becomes PluginExit, its
+      message what the plug-in did (under `signals()` a real signal inside is a `Stopped`, so a
+      KeyboardInterrupt is the plug-in's own; without it one passes as it is, as Python's Ctrl-C may).
+    An Exception the plug-in raises passes as it is."""
+    state = _installed_signals()
+    received, started, error = len(state.requests) if state else 0, time.monotonic(), None
+    try:
+        with _alarm(timeout) if timeout is not None else contextlib.nullcontext():
+            value = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 (each kind is decided below, none is dropped)
+        error = e
+    finally:
+        if state is not None:
+            state.plugin_returned()
+    if state is not None and len(state.requests) > received:  # a signal came during the call
+        name = state.requests[received]
+        message = f"stopped by {name} while a {what} ran"
+        if not state.deferred:
+            message = f"stopped by {name} before training started; nothing was written"
+        raise Stopped(message) from None
+    if timeout is not None and (isinstance(error, _Expired) or time.monotonic() - started > timeout):
+        raise PluginTimeout(f"took longer than {timeout:g} s") from None
+    if error is None:
+        return value
+    # NOTE: without our handler (state None) a KeyboardInterrupt may be Python's own for a real Ctrl-C
+    if isinstance(error, Exception) or (state is None and isinstance(error, Stopped | KeyboardInterrupt)):
+        raise error
+    raise PluginExit(_what_it_did(error)) from error
+
+
+def exit_process(code: int | str | None) -> NoReturn:
+    """End the process as sys.exit(code) does, without waiting for threads that are no daemons (a plug-in's
+    may run forever): those left are named on stdout, the output flushed, and os._exit ends the process."""
+    if isinstance(code, str):  # as Python's own exit prints a message and returns 1
+        print(code, file=sys.stderr, flush=True)
+        code = 1
+    code = 0 if code is None else code
+    left = [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
+    if not left:
+        sys.exit(code)
+    print(f"exiting without waiting for {len(left)} threads left running: {', '.join(left)}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(main: Callable[[Any], Any], args: Any) -> None:

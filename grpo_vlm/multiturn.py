@@ -42,7 +42,7 @@ from torch import Tensor
 
 import data
 import grpo
-from grpo_vlm import grounding, tools
+from grpo_vlm import dataset, grounding, tools
 
 ERROR_KINDS = (*tools.ERROR_KINDS, "too_many_calls")  # the last: a call past max_tool_calls, not run
 
@@ -68,11 +68,15 @@ def tool_use(
     model_type: str,
     max_length: int,
     suppressed: Sequence[int],
+    max_image_pixels: int | None = dataset.DataConfig.max_image_pixels,
 ) -> ToolUse:
-    """A run's ToolUse from --tools / --max-tool-calls: the tools loaded; the call's tags checked (one token
-    each, and not among the `suppressed` ids: a special token is); the frame the model writes boxes in
+    """A run's ToolUse from --tools / --max-tool-calls: the tools loaded, bounded by --tool-timeout, the
+    data's `max_image_pixels` and the tokenizer's special tokens (tools.Limits); the call's tags checked (one
+    token each, and not among the `suppressed` ids: a special token is); the frame the model writes boxes in
     ("auto": its family's, grounding.py). A ValueError names the flag."""
-    loaded = tools.load_tools(config.tools)
+    special = tuple(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    limits = tools.Limits(config.tool_timeout, max_image_pixels, special)
+    loaded = tools.load_tools(config.tools, limits)
     ids = {tokenizer.convert_tokens_to_ids(tag) for tag in (tools.TOOL_CALL_START, tools.TOOL_CALL_END)}
     if ids & {None, tokenizer.unk_token_id, *suppressed}:
         raise ValueError(

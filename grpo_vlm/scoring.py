@@ -2,24 +2,21 @@
 the reward flags (`RewardConfig`), every built-in by name, and user reward functions called safely.
 
 `BUILTIN_REWARDS` is the reference's (rewards.py), then tools.py's `tool_format`, then grounding.py's
-rewards. `score` is rewards.score with each call made by `call_reward`: under --reward-timeout, by SIGALRM
-(main thread only, on POSIX; a plug-in's `except Exception` cannot swallow it; the previous SIGALRM handler
-and timer come back after the call), and a failure in the user's code carries `user_message`, the one line
-cli.run prints without a traceback (the user's code failed, not ours): an exception or sys.exit() a reward
-raised, with its file:line; a value that is no number (rewards.RewardValueError); a call over the limit.
+rewards. `score` is rewards.score with each call made by `call_reward`, through cli.call_plugin: under
+--reward-timeout, by SIGALRM (main thread only, on POSIX; the previous SIGALRM handler and timer come back
+after the call), and a call that took longer is a timeout whatever it returned (a bare `except:` around a
+slow call swallows the alarm, not the clock). A failure in the user's code carries `user_message`, the one
+line cli.run prints without a traceback (the user's code failed, not ours): an exception, sys.exit(),
+KeyboardInterrupt or other BaseException a reward raised, with its file:line; a value that is no number
+(rewards.RewardValueError); a call over the limit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import math
-import signal
-import threading
-import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import rewards
@@ -31,9 +28,6 @@ BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
     "tool_format": tools.tool_format,
     **grounding.REWARDS,
 }
-
-
-MAX_REWARD_TIMEOUT = 1e7  # seconds; signal.setitimer overflows the platform time_t far above it
 
 
 @dataclasses.dataclass
@@ -73,15 +67,7 @@ class RewardConfig:
 
     def check(self) -> None:
         """The values that need nothing loaded; the rewards themselves are checked when they load."""
-        timeout = self.reward_timeout
-        if timeout is not None and not (timeout > 0 and math.isfinite(timeout)):
-            raise ValueError(f"--reward-timeout: must be a positive number of seconds, got {timeout}")
-        if timeout is not None and timeout > MAX_REWARD_TIMEOUT:  # setitimer overflows the platform's time_t
-            raise ValueError(f"--reward-timeout: at most {MAX_REWARD_TIMEOUT:.0e} s, got {timeout}")
-        # SIGALRM interrupts only the main thread, and Windows has none.
-        main_thread = threading.current_thread() is threading.main_thread()
-        if timeout is not None and not (hasattr(signal, "setitimer") and main_thread):
-            raise ValueError("--reward-timeout: unsupported here (it needs SIGALRM, in the main thread)")
+        cli.check_time_limit("--reward-timeout", self.reward_timeout)
 
 
 def rewards_from_flags(
@@ -112,38 +98,12 @@ def rewards_from_flags(
     return loaded
 
 
-class _Expired(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
-    pass
-
-
-def _expire(signum: int, frame: Any) -> None:
-    raise _Expired
-
-
-@contextlib.contextmanager
-def _time_limit(name: str, timeout: float, where: str) -> Iterator[None]:
-    """Interrupt the `with` block after `timeout` seconds (SIGALRM), naming the reward and the completion;
-    the previous SIGALRM handler and timer (less the time spent here) come back after it."""
-    previous = signal.signal(signal.SIGALRM, _expire)
-    started, (delay, interval) = time.monotonic(), signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        yield
-    except _Expired:
-        error = TimeoutError(f"reward {name!r} took longer than --reward-timeout {timeout} s on {where}")
-        error.user_message = str(error)
-        raise error from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if delay:  # 1 microsecond at least: a timer of 0 would be no timer at all
-            signal.setitimer(signal.ITIMER_REAL, max(delay - (time.monotonic() - started), 1e-6), interval)
-
-
 # `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
 def _name_the_failure(error: BaseException, where: str) -> Exception:
     frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
     failure = error if isinstance(error, Exception) else RuntimeError(f"{where}: {error!r}")  # a SystemExit
-    failure.user_message = f"{where}: {type(error).__name__}: {error} (at {frame.filename}:{frame.lineno})"
+    said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    failure.user_message = f"{where}: {said} (at {frame.filename}:{frame.lineno})"
     return failure
 
 
@@ -156,19 +116,20 @@ def call_reward(
     *,
     timeout: float | None = None,
 ) -> Any:
-    """One call of `r` for rewards.score (its `call`): within `timeout` seconds (None: no limit), and a
-    failure of the user's code named in one line (`user_message`)."""
+    """One call of `r` for rewards.score (its `call`): by cli.call_plugin, within `timeout` seconds (None: no
+    limit), and a failure of the user's code named in one line (`user_message`)."""
     where = rewards.describe_completion(index, sample)
-    with _time_limit(r.name, timeout, where) if timeout else contextlib.nullcontext():
-        try:
-            return r.fn(completion, sample, **kwargs)
-        except Exception as e:  # NOTE: not swallowed: raised again (rewards.score adds a note naming it)
-            _name_the_failure(e, f"raised by reward {r.name!r} on {where}")
-            raise
-        except SystemExit as e:  # sys.exit() is the plug-in's failure; cli.Stopped (a signal) not
-            if type(e) is not SystemExit:
-                raise
-            raise _name_the_failure(e, f"raised by reward {r.name!r} on {where}") from e
+    try:
+        return cli.call_plugin("reward function", r.fn, (completion, sample), kwargs, timeout=timeout)
+    except cli.PluginTimeout:
+        error = TimeoutError(f"reward {r.name!r} took longer than --reward-timeout {timeout} s on {where}")
+        error.user_message = str(error)
+        raise error from None
+    except cli.PluginExit as e:  # sys.exit(), KeyboardInterrupt, ...: the plug-in's failure
+        raise _name_the_failure(e.__cause__, f"raised by reward {r.name!r} on {where}") from e.__cause__
+    except Exception as e:  # NOTE: not swallowed: raised again (rewards.score adds a note naming it)
+        _name_the_failure(e, f"raised by reward {r.name!r} on {where}")
+        raise
 
 
 def score(

@@ -21,7 +21,7 @@ behaviour, to be scored and learnt from like a wrong answer, not a user's mistak
 The kinds: invalid_json (no JSON object {"name": str, "arguments": ...} between the tags), unknown_tool,
 bad_arguments (missing, extra or wrong-typed arguments), bad_box (outside the image, empty, inverted, or a
 crop of an aspect ratio the image processor refuses, over 200), bad_image_index (not an int, or no such
-image), tool_raised.
+image), and the plug-in's own failures: tool_raised, timeout, bad_output.
 
 A plug-in that raises (or returns something other than str, an image or a list of them) is answered the
 same way, as `tool_raised` with the exception's one line, and counted. The first failure of each plug-in is
@@ -30,9 +30,18 @@ because a tool failing on some arguments (an odd crop, a service timing out) is 
 policy acts in, and a plug-in broken for every call shows at once as tools/errors/tool_raised equal to
 tools/calls. A bug in `zoom` itself is no such failure: it raises.
 
+A plug-in is bounded (`Limits`; each call by cli.call_plugin): a call past --tool-timeout is answered as
+`timeout` (the run goes on: a slow service is the environment's, like a failure); an image it returns
+that the data would refuse (over --max-image-pixels, or an aspect ratio over 200, which Qwen's resize
+refuses) or text that spells one of the tokenizer's special tokens (`<|im_end|>`, `<|image_pad|>`: it
+would forge the chat's turns or its image placeholders) is answered as `bad_output`, never processed.
+A plug-in that calls sys.exit(), raises KeyboardInterrupt or another BaseException that is no Exception
+stops the run instead (cli.PluginExit, one line naming it, exit 2): it asked to end the process, which
+no answer to the policy honours; a signal stops a hanging call at once (cli.Signals).
+
 The reward `tool_format` (--reward tool_format) is the fraction of the completion's tool calls that were
 well formed, from `sample["tool_calls"]` (the calls' log records, which the trainer adds in a tools run),
-each with an "error" kind or None; a call whose plug-in raised ("tool_raised") counts as well formed. No call
+each with an "error" kind or None; a call whose plug-in failed (TOOL_FAILURES) counts as well formed. No call
 scores 0.0, so a task that needs a tool pays for calling it; a single-turn run has no "tool_calls" and scores
 0.0 too, a constant that moves no advantage.
 """
@@ -55,7 +64,8 @@ import rewards
 from grpo_vlm import cli, dataset, grounding
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # each ONE token in Qwen tokenizers
-ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", "tool_raised")
+TOOL_FAILURES = ("tool_raised", "timeout", "bad_output")  # the plug-in's, not the policy's
+ERROR_KINDS = ("invalid_json", "unknown_tool", "bad_arguments", "bad_box", "bad_image_index", *TOOL_FAILURES)
 MAX_ASPECT_RATIO = 200  # Qwen-VL's smart_resize refuses images longer than this many times their width
 
 Tool = Callable[..., "str | Image.Image | list"]
@@ -79,9 +89,16 @@ class ToolConfig:
     called by its function's name: fn(arguments: dict, sample: dict) -> str | PIL.Image.Image | list."""
     max_tool_calls: int = 0
     """Most tool calls per completion; 0: single-turn rollouts, no tools."""
+    tool_timeout: float | None = None
+    """Seconds one call of a plug-in tool may take; a longer one is answered to the policy as a `timeout`
+    error and counted (tools/errors/timeout), and the run goes on. Default: no limit. Needs SIGALRM (not
+    Windows). A signal stops a run within seconds whatever a tool does, with or without it."""
 
     def check(self) -> None:
         """Ranges and names; plug-ins are imported and checked by `load_tools`."""
+        cli.check_time_limit("--tool-timeout", self.tool_timeout)
+        if self.tool_timeout is not None and not self.tools:
+            raise ValueError("--tool-timeout: needs --tools (a plug-in's calls are what it bounds)")
         if self.max_tool_calls < 0:
             raise ValueError(f"--max-tool-calls: must be >= 0, got {self.max_tool_calls}")
         if self.max_tool_calls > 0 and not self.tools:
@@ -94,6 +111,15 @@ class ToolConfig:
                     f"--tools: unknown tool {name!r}; built-ins are {', '.join(BUILTIN_TOOLS)}, "
                     "or give a plug-in as module:function or path/to/file.py:function"
                 )
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a plug-in's call may take and return; a breach is answered to the policy as a tool error."""
+
+    timeout: float | None = None  # seconds per call (--tool-timeout); None: no limit
+    max_image_pixels: int | None = None  # a returned image's pixels at most (--max-image-pixels)
+    special_tokens: tuple[str, ...] = ()  # strings a returned text may not contain (the chat's markers)
 
 
 @dataclass
@@ -167,15 +193,35 @@ BUILTIN_TOOLS: dict[str, Tool] = {"zoom": zoom}
 # --- plug-ins ---------------------------------------------------------------------------------------------
 
 
-def _answering(name: str, fn: Tool) -> Tool:
-    """`fn` with any failure turned into ToolError("tool_raised"), the first one printed with its place."""
+def _check_output(output: object, limits: Limits) -> None:
+    """ToolError("bad_output") for an image the data would refuse or text that spells a special token."""
+    for part in output if isinstance(output, list) else [output]:
+        if isinstance(part, Image.Image):
+            (w, h), most = part.size, limits.max_image_pixels
+            if most is not None and w * h > most:
+                raise ToolError("bad_output", f"the tool's image is {w}x{h}, over --max-image-pixels {most}")
+            if max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+                raise ToolError("bad_output", f"the tool's image is {w}x{h}, too thin to process")
+        elif isinstance(part, str) and (spelt := [t for t in limits.special_tokens if t in part]):
+            name = spelt[0].strip("<|>")  # NOTE: the answer must not spell it either
+            raise ToolError("bad_output", f"the tool's text spells a special token of the chat ({name})")
+
+
+def _answering(name: str, spec: str, fn: Tool, limits: Limits) -> Tool:
+    """`fn` within `limits`, any failure turned into a ToolError ("tool_raised", "timeout", "bad_output"),
+    the first one raised printed with its place; sys.exit() and the like stop the run (cli.PluginExit)."""
     reported = False
 
     @functools.wraps(fn)
     def call(arguments: dict, sample: dict, **context):
         nonlocal reported
         try:
-            return fn(arguments, sample, **context)
+            output = cli.call_plugin("tool", fn, (arguments, sample), context, timeout=limits.timeout)
+        except cli.PluginTimeout:
+            raise ToolError("timeout", f"took longer than --tool-timeout {limits.timeout:g} s") from None
+        except cli.PluginExit as e:  # the plug-in asked to end the process: its failure, the run's end
+            e.user_message = f"tool {spec!r} {e}"
+            raise
         except Exception as e:  # NOTE: cli.Stopped (a signal) is a SystemExit and passes
             if not reported:
                 last = traceback.extract_tb(e.__traceback__)[-1]
@@ -187,13 +233,15 @@ def _answering(name: str, fn: Tool) -> Tool:
                 )
                 reported = True
             raise ToolError("tool_raised", f"{type(e).__name__}: {e}".splitlines()[0]) from e
+        _check_output(output, limits)
+        return output
 
     return call
 
 
-def load_tools(names: Sequence[str]) -> dict[str, Tool]:
+def load_tools(names: Sequence[str], limits: Limits = Limits()) -> dict[str, Tool]:
     """The model's tool name -> its function: "zoom", or a plug-in "module:function" / "file.py:function"
-    called by its function's name. Every problem is a ValueError starting with --tools."""
+    called by its function's name, within `limits`. Every problem is a ValueError starting with --tools."""
     loaded = {}
     for spec in names:
         if ":" not in spec:
@@ -220,7 +268,7 @@ def load_tools(names: Sequence[str]) -> dict[str, Tool]:
                 raise ValueError(
                     f"--tools: {spec!r} must accept (arguments, sample) positionally ({e})"
                 ) from e
-            fn = _answering(name, fn)
+            fn = _answering(name, spec, fn, limits)
         if name in loaded:
             raise ValueError(f"--tools: two tools are called {name!r}")
         loaded[name] = fn
@@ -291,5 +339,6 @@ def tool_format(completion: str, sample: Mapping[str, Any]) -> float:
     """The fraction of the completion's tool calls that were well formed (sample["tool_calls"]); 0.0 with
     none, so that a task that needs a tool pays for calling it."""
     calls = sample.get("tool_calls") or []  # NOTE: absent in a single-turn run: no tool, no call, 0.0
-    # A plug-in that raises is the tool's failure, not a malformed call.
-    return sum(call["error"] in (None, "tool_raised") for call in calls) / len(calls) if calls else 0.0
+    # A plug-in that fails (raises, times out, returns what cannot be shown) is the tool's failure, not a
+    # malformed call.
+    return sum(call["error"] in (None, *TOOL_FAILURES) for call in calls) / len(calls) if calls else 0.0

@@ -748,8 +748,9 @@ def tool_use(args: Args, model: torch.nn.Module, tokenizer, image_processor, ran
         box_frame=args.rewards.box_frame, model_type=model.config.model_type, suppressed=suppressed
     )
     max_length = args.samples.max_prompt_length + args.sampling.max_new_tokens
+    options.update(max_length=max_length, max_image_pixels=args.samples.max_image_pixels)
     with cli.user_errors():
-        use = multiturn.tool_use(args.tools, tokenizer, image_processor, max_length=max_length, **options)
+        use = multiturn.tool_use(args.tools, tokenizer, image_processor, **options)
     print_if(
         rank == 0 and args.speed.shared_prefill,
         "--max-tool-calls: multi-turn rollouts sample with generate, turn by turn (shared prefill is off for "
@@ -956,6 +957,8 @@ def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     with checkpoints.writing(out, out / "curves.png"):
         logs.plot_curves(records, out / "curves.png")
     summary = logs.run_summary(records, seconds)
+    with checkpoints.writing(out, out / "run.json"):
+        checkpoints.mark_finished(out)
     print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
     return summary
 
@@ -990,8 +993,8 @@ def failed_step(error: BaseException, step: int, run: Run, out: Path, beta: floa
         save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
     again = f"python -m grpo_vlm --resume {out}" if step > 0 else "the same command (it starts the run again)"
     done = f"checkpoint of step {step} written" if step > 0 else "no step finished"
-    if isinstance(error, cli.Stopped):
-        raise cli.Stopped(f"{error} while a reward function ran; {done}. Continue with: {again}")
+    if isinstance(error, cli.Stopped):  # "stopped by SIGTERM while a tool ran" (cli.call_plugin)
+        raise cli.Stopped(f"{error}; {done}. Continue with: {again}")
     if message is None:
         raise cli.UsageError(f"{error}; {done}. Once that is fixed, continue with: {again}")
     error.user_message = f"{message}; {done}. Once that is fixed, continue with: {again}"
@@ -1062,7 +1065,7 @@ def main(args: Args, typed: Collection[str] = ()) -> dict:
     current step (at once while a reward function runs) and a checkpoint. `typed`: the flags given on the
     command line (`typed_flags`); with --resume, the plug-ins of --reward or --tools typed again are
     accepted as their files are now."""
-    with cli.signals(abortable=(rewards.score,)) as stop, contextlib.ExitStack() as held:  # see cli.Signals
+    with cli.signals() as stop, contextlib.ExitStack() as held:  # a plug-in's call is abortable: cli.Signals
         check_args(args)
         if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
             distributed.use_deterministic_algorithms()
