@@ -195,7 +195,7 @@ def check_own_output(path: Path, flag: str, overwrite: bool, producer: str) -> d
     settings_path = path.with_suffix(".settings.json")
     check_output_file(path, flag, overwrite)
     check_output_file(settings_path, flag, overwrite)
-    if overwrite or not settings_path.exists() and not os.path.lexists(path):
+    if overwrite or (not settings_path.exists() and not os.path.lexists(path)):
         return None
     if not settings_path.exists():
         raise cli.UsageError(
