@@ -26,7 +26,9 @@ Choices:
   that run's older checkpoints, so two runs sharing an output folder never delete each other's.
 - One run per folder: `run.json` (with a run id) is what makes a folder a run folder and names the run that
   owns it; a folder without it is never written into, and replacing a run removes only that run's own
-  files. A resumed run trims its logs to the step of its checkpoint (the later steps are redone).
+  files: every removal checked before the first (all or nothing), a symbolic link removed as the link,
+  never followed into what it points to. A resumed run trims its logs to the step of its checkpoint (the
+  later steps are redone).
 - A resumed run continues the recorded one: its settings are run.json's, and only those the caller names
   (how long it trains, what it logs and saves, where and how fast it runs) may be given differently.
 """
@@ -45,6 +47,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import types
 import typing
 import uuid
@@ -569,6 +572,33 @@ def trim_jsonl(path: Path, last_step: int) -> None:
     files.atomic_write(path, b"".join(line + b"\n" for line in kept))
 
 
+def removal_plan(out: Path, paths: list[Path]) -> list[tuple[Path, bool]]:
+    """(path, whether to remove it as a folder) for each of `paths` in the run folder `out`, all checked
+    before the caller removes any: a symbolic link (to a user's folder, say) is removed as the link itself,
+    never followed; a real folder with everything under it, each of its folders writable. A ValueError names
+    the first path that could not be removed; then nothing has been."""
+
+    def fail(error: OSError) -> None:
+        raise error
+
+    plan = []
+    try:
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", str(out))
+        for path in paths:
+            is_folder = stat.S_ISDIR(os.lstat(path).st_mode)  # lstat: a link to a folder is no folder here
+            for folder, _, _ in os.walk(path, onerror=fail) if is_folder else ():  # never into links
+                if not os.access(folder, os.W_OK | os.X_OK):
+                    raise PermissionError(13, "Permission denied", folder)
+            plan.append((path, is_folder))
+    except OSError as e:
+        where = e.filename if e.filename is not None else out
+        raise ValueError(
+            f"--overwrite: cannot remove {where}: {e.strerror or e}; nothing was removed from {out}"
+        ) from e
+    return plan
+
+
 def open_run_folder(
     out: Path, mode: str, run_id: str, start_step: int, config: dict, plugin_files: list[dict] | None = None
 ) -> str | None:
@@ -579,8 +609,8 @@ def open_run_folder(
     removed, kept = [], []
     if mode == "replace" and (record := read_run_record(out)) is not None:
         removed, kept = run_files(out, record["run_id"])
-        for path in removed:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path, is_folder in removal_plan(out, removed):
+            shutil.rmtree(path) if is_folder else path.unlink()
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob("checkpoint-*.tmp"):  # of a save that was killed: never a checkpoint
         shutil.rmtree(leftover, ignore_errors=True)

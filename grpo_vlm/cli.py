@@ -22,8 +22,9 @@ training loop honours after its current step once `defer()` has been called (at 
 `abortable` function runs: slow user code that writes nothing). A plug-in's call (a reward, a tool) goes
 through `call_plugin`: bounded in time, stopped by a signal even when it swallows the stop, and never read as
 a success or a user's stop when it calls sys.exit() or raises another BaseException. One writer per output:
-`hold_lock` takes an exclusive lock that the operating system releases when the process ends. `exit_process`
-ends the process without waiting for threads a plug-in left running. Stdlib only.
+`hold_lock` takes an exclusive lock that the operating system releases when the process ends, on a regular
+file only (a lock path that is a symbolic link or a FIFO is refused, never followed or waited on).
+`exit_process` ends the process without waiting for threads a plug-in left running. Stdlib only.
 """
 
 import contextlib
@@ -33,6 +34,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -154,6 +156,29 @@ def fields_as_flags(*groups: Any) -> Iterator[None]:
         raise UsageError(pattern.sub(lambda m: "--" + m[1].replace("_", "-"), str(e))) from e
 
 
+def open_lock_file(path: str | os.PathLike, what: str):
+    """The lock file `path` (created if missing) open for reading and writing, or UsageError naming it and
+    `what` it locks when it is a symbolic link or not a regular file: O_NOFOLLOW never writes through a link
+    onto another file, and O_NONBLOCK opens a FIFO at once, to be refused, instead of waiting for a writer."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError:
+        if os.path.islink(path):  # O_NOFOLLOW's ELOOP
+            raise UsageError(
+                f"{path} (the lock of {what}) is a symbolic link; a lock file must be a regular file: remove "
+                "the link"
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(
+            f"{path} (the lock of {what}) is not a regular file; a lock file must be one: remove it"
+        )
+    os.set_blocking(fd, True)
+    return open(fd, "r+", encoding="utf-8")
+
+
 def hold_lock(path: str | os.PathLike, what: str):
     """Take the exclusive lock on the file `path` (created if missing) for the rest of this process's life, or
     raise UsageError naming `what` and the holder (pid, host, start time). Keep the returned file open: the
@@ -162,7 +187,7 @@ def hold_lock(path: str | os.PathLike, what: str):
     a process could lock the unlinked file while a newcomer locks a new one at the same path."""
     import fcntl  # POSIX; imported here so that the rest of this module imports everywhere
 
-    handle = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the process's life)
+    handle = open_lock_file(path, what)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -177,6 +202,7 @@ def hold_lock(path: str | os.PathLike, what: str):
             f"stop it, or choose another output"
         ) from None
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    handle.seek(0)
     handle.truncate(0)
     handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}) + "\n")
     handle.flush()

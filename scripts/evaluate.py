@@ -23,7 +23,9 @@ existing output is read, a torn last line (a kill mid-write: no newline, or inva
 file, and samples already written (by source and id) are skipped; so rerunning the same command neither
 duplicates nor loses a line. `<output stem>.settings.json` records what decides the results (model,
 adapter, sampling, rewards, seed): a rerun with different settings into the same file is refused instead
-of silently mixing two evaluations (pass --overwrite or another --output).
+of silently mixing two evaluations (pass --overwrite or another --output). An existing output without
+that settings file, or with another script's, is not evaluate.py's to continue (a file of yours, another
+script's output): it is refused, left as it is, unless --overwrite replaces it.
 
 Summary: printed and written atomically to `<output stem>.summary.json`, computed from ALL lines of the
 output file (so a resumed run's summary covers every sample): accuracy (share of correct completions),
@@ -47,7 +49,9 @@ Outputs (scripts/outputs.py): an output over an input (--data, --prompt-template
 --adapter / --model) is refused, even with --overwrite; one process per output file (a second one is refused
 at once, naming the holder; the lock is `.<output name>.lock` beside it); an output that cannot be written
 (read-only, full, no permission) is one line `error: cannot write FILE: <cause>`, status 74, found before
-the model loads when it can be. Ctrl-C or SIGTERM stops at once (status 130): every finished line is kept.
+the model loads when it can be. An output that is a symbolic link is refused (--overwrite replaces the link
+itself, never its target); one that is a FIFO or another non-regular file is refused, --overwrite or not.
+Ctrl-C or SIGTERM stops at once (status 130): every finished line is kept.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ from grpo_vlm import (
     tools,
 )
 from scripts import outputs
+
+PRODUCER = "evaluate.py"  # named in the settings file beside each output: it continues only its own
 
 
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names, as train.py's: `--reward`, `--gate`
@@ -327,7 +333,7 @@ def batch_seed(seed: int, index: int) -> int:
 
 def read_resumable(path: Path) -> list[dict]:
     with cli.user_errors():
-        return outputs.read_resumable(path, "id", "evaluate.py")
+        return outputs.read_resumable(path, "id", PRODUCER)
 
 
 def evaluate_to_file(
@@ -449,6 +455,8 @@ def check_args(args: Args) -> None:
     read.update({"--model": [args.model] if Path(args.model).is_dir() else []})
     plugins = {"--reward": reward_files(args), "--tools": outputs.plugin_files(args.tools.tools)}
     outputs.refuse_overwriting_inputs({"--output": written}, {**read, **plugins})
+    for _, path, _, _ in planned_runs(args):  # a user's file, or another script's, is never continued
+        outputs.check_own_output(path, "--output", args.overwrite, PRODUCER)
 
 
 def load_model(args: Args, device: torch.device):
@@ -506,7 +514,7 @@ def evaluate(args: Args) -> dict[str, dict]:
     for name, path, adapter_on, ablation in planned_runs(args):
         settings = settings_of(args, reward_fns, accuracy_name, adapter_on, ablation, frame)
         with cli.user_errors(), cli.writing(path.with_suffix(".settings.json")):
-            outputs.check_settings(path, settings, args.overwrite, companions=(".summary.json",))
+            outputs.check_settings(path, settings, args.overwrite, PRODUCER, companions=(".summary.json",))
         with cli.user_errors():
             ablated = dataset.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
         # The base column of --compare: the same model with its adapters switched off (exactly the base).

@@ -14,7 +14,13 @@ line off, skips the items already written and appends the rest. `<output stem>.s
 decides the results, so that a rerun with other settings is refused instead of mixing two runs in one file.
 Whole files are written beside their path and renamed over it: the old file or the new one, never half.
 
-Imports the standard library, cli.py and logs.py (its `append_jsonl`) only.
+A script continues or replaces only an output it wrote itself (`check_own_output`: the settings file beside
+it names the script and records the same settings); anything else at that path, a user's file or another
+script's, is refused in one line naming it and the flag unless --overwrite is given, before anything is
+written. A symbolic link is never written through (with --overwrite the link itself is replaced), and a
+FIFO, socket or device is never opened (a FIFO would block the read).
+
+Imports the standard library, cli.py, files.py (its `atomic_write`) and logs.py (its `append_jsonl`) only.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from grpo_vlm import cli, logs
+from grpo_vlm import cli, files, logs
 
 
 def same_or_inside(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -153,42 +159,85 @@ def append_line(f, record: dict) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write beside `path`, then rename over it: a kill leaves the old file or the new one, never half, and a
-    failed write (or a signal) removes its temporary file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write beside `path` (files.atomic_write: a temporary file of a random name), then rename over it: a
+    kill leaves the old file or the new one, never half; a failed write (or a signal) removes its temporary
+    file; a symbolic link at `path` is replaced by the file, its target never written."""
+    files.atomic_write(path, text.encode("utf-8"))
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     write_text_atomic(path, json.dumps(obj, ensure_ascii=False, indent=2) + "\n")
 
 
-def check_settings(path: Path, settings: dict, overwrite: bool, companions: tuple[str, ...] = ()) -> None:
-    """Refuse (ValueError) to resume an output written with other settings: it would mix two runs in one
-    file. --overwrite removes the output, its settings and its companion files (suffixes), then records."""
+def check_output_file(path: Path, flag: str, overwrite: bool | None) -> None:
+    """cli.UsageError naming `flag` unless `path` is missing or a regular file. A symbolic link is never
+    followed onto another file: with --overwrite (`overwrite` True) the caller replaces the link itself;
+    None: --overwrite does not apply to this path. A FIFO, socket or device is never opened (a FIFO would
+    block the read until someone writes into it)."""
+    if os.path.islink(path):
+        fix = "pass --overwrite to replace the link itself, or" if overwrite is not None else "remove it or"
+        if not overwrite:
+            raise cli.UsageError(
+                f"{flag} {path} is a symbolic link (to {os.readlink(path)}); an output is never written "
+                f"through one onto another file: {fix} choose another {flag}"
+            )
+    elif os.path.lexists(path) and not path.is_file():
+        raise cli.UsageError(
+            f"{flag} {path} is not a regular file (a FIFO, socket or device); choose another {flag}"
+        )
+
+
+def check_own_output(path: Path, flag: str, overwrite: bool, producer: str) -> dict | None:
+    """Before anything is written: the recorded settings of an output that `producer` wrote itself (its
+    `<stem>.settings.json` beside it, naming `producer`), None when there is none to continue (no output, or
+    --overwrite). Anything else at `path`, a user's file or another script's output, is a cli.UsageError
+    naming it and `flag`: a script continues only what it wrote, and never touches the rest."""
     settings_path = path.with_suffix(".settings.json")
+    check_output_file(path, flag, overwrite)
+    check_output_file(settings_path, flag, overwrite)
+    if overwrite or (not settings_path.exists() and not os.path.lexists(path)):
+        return None
+    if not settings_path.exists():
+        raise cli.UsageError(
+            f"{flag} {path} exists and was not written by {producer} (no {settings_path.name} beside it); "
+            f"it is left as it is: pass --overwrite to replace it, or choose another {flag}"
+        )
+    try:
+        old = json.loads(settings_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise cli.UsageError(
+            f"{settings_path}: cannot be read ({e}); pass --overwrite to start {flag} {path} afresh"
+        ) from e
+    if not isinstance(old, dict):
+        raise cli.UsageError(
+            f"{settings_path}: not a settings file; pass --overwrite or choose another {flag}"
+        )
+    if old.get("script", producer) != producer:  # NOTE: files of older versions name no script
+        raise cli.UsageError(
+            f"{flag} {path} was written by {old['script']}, not {producer}; it is left as it is: pass "
+            f"--overwrite to replace it, or choose another {flag}"
+        )
+    return old if os.path.lexists(path) else None
+
+
+def check_settings(
+    path: Path, settings: dict, overwrite: bool, producer: str, companions: tuple[str, ...] = ()
+) -> None:
+    """Refuse (cli.UsageError) an output `producer` did not write (check_own_output), or one it wrote with
+    other settings: it would mix two runs in one file. --overwrite removes the output (a symbolic link as
+    the link), its settings and its companion files (suffixes); then the settings are recorded, with
+    `producer`."""
+    old = check_own_output(path, "--output", overwrite, producer)
     if overwrite:
-        for p in (path, settings_path, *(path.with_suffix(s) for s in companions)):
+        for p in (path, path.with_suffix(".settings.json"), *(path.with_suffix(s) for s in companions)):
             p.unlink(missing_ok=True)
-    if path.exists() and settings_path.exists():
-        try:
-            old = json.loads(settings_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"{settings_path}: cannot be read (pass --overwrite to start afresh): {e}"
-            ) from e
-        if not isinstance(old, dict):
-            raise ValueError(f"{settings_path}: not a settings file; pass --overwrite")
-        changed = sorted(k for k in settings.keys() | old.keys() if settings.get(k) != old.get(k))
+    if old is not None:
+        keys = settings.keys() | (old.keys() - {"script"})
+        changed = sorted(k for k in keys if settings.get(k) != old.get(k))
         if changed:
-            raise ValueError(
+            raise cli.UsageError(
                 f"{path} was written with other settings ({', '.join(changed)}); "
                 "pass --overwrite or choose another --output"
             )
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(settings_path, settings)
+    write_json_atomic(path.with_suffix(".settings.json"), {"script": producer, **settings})

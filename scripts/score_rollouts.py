@@ -43,6 +43,11 @@ Choices:
 - Outputs (scripts/outputs.py): --output, --report or --cache over an input (or over each other) is refused;
   one process at a time per output (`.<name>.lock` beside each); an output location that cannot be written
   is found before any reward is computed: one line `error: cannot write ...`, status 74.
+- Only its own output is replaced: the report names the script and records the SHA-256 of the output it goes
+  with; an existing --output that no report of this script records (a file of yours, another script's, one
+  you edited), or an existing --report it did not write, is refused before any reward is computed, left as
+  it is, unless --overwrite. A symbolic link is never written through (--overwrite replaces the link of
+  --output or --report itself; --cache may not be one), and a FIFO is never opened.
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ import rewards
 from grpo_vlm import cli, scoring
 from scripts import outputs
 
+PRODUCER = (
+    "score_rollouts.py"  # named in the report, with the SHA-256 of the output: it replaces only its own
+)
+
 
 @dataclass
 class Args:
@@ -95,6 +104,8 @@ class Args:
     """One weight per --reward (default 1.0 each)."""
     gate: tuple[str, ...] = ()
     """Rewards (from --reward) that zero the total when they fail, e.g. format."""
+    overwrite: bool = False
+    """Replace an existing --output and --report this script did not write (a link: the link itself)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,7 +345,39 @@ def check_args(args: Args) -> tuple[Path, Path, Path]:
             "--reward": outputs.plugin_files(args.reward),
         },
     )
+    check_own_outputs(*paths, args.overwrite)
     return paths
+
+
+def check_own_outputs(output: Path, report: Path, cache: Path, overwrite: bool) -> None:
+    """Unless --overwrite: an existing --report must be one this script wrote, and an existing --output the
+    file that report records (its SHA-256): anything else, a user's file or another script's, is left as it is
+    and refused (cli.UsageError). No symbolic link is followed, the cache's never (sqlite would write through
+    it), and no FIFO opened."""
+    outputs.check_output_file(output, "--output", overwrite)
+    outputs.check_output_file(report, "--report", overwrite)
+    outputs.check_output_file(cache, "--cache", None)
+    if overwrite:
+        return
+    record = None
+    if report.exists():
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(report.read_text(encoding="utf-8"))
+        if not (isinstance(record, dict) and record.get("script") == PRODUCER):
+            raise cli.UsageError(
+                f"--report {report} exists and was not written by {PRODUCER}; it is left as it is: pass "
+                "--overwrite to replace it, or choose another --report"
+            )
+    if output.exists() and (record is None or record.get("output_sha256") != sha256_of(output)):
+        raise cli.UsageError(
+            f"--output {output} exists and was not written by {PRODUCER} (its report {report} does not "
+            "record it); it is left as it is: pass --overwrite to replace it, or choose another --output"
+        )
+
+
+def sha256_of(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def reward_functions(args: Args, prompts: dict[str, dict]) -> list[rewards.Reward]:
@@ -365,8 +408,11 @@ def score(args: Args, output: Path, report_path: Path, cache_path: Path) -> dict
     for b in report["bad_lines"]:
         print(f"{args.rollouts}:{b['line']}: {b['reason']}", file=sys.stderr)
     check_mostly_scored(report, args.rollouts)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    # The report records the output it goes with: a rerun replaces only that file (check_own_outputs).
+    report.update(script=PRODUCER, output_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
     with cli.writing(output):
-        outputs.write_text_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        outputs.write_text_atomic(output, text)
     with cli.writing(report_path):
         outputs.write_json_atomic(report_path, report)
     brief = {k: report[k] for k in ("counts", "reward_mean", "component_means", "frac_zero_std_groups")}

@@ -51,12 +51,16 @@ Resuming: each group's line is written with its newline, flushed and fsynced whe
 start a torn last line (a kill mid-write) is cut off the file with a message, and groups already written are
 skipped: after checking that their photos and label are still the ones the line holds.
 `<output stem>.settings.json` records what decides the summaries; a rerun with other settings into the same
-file is refused (pass --overwrite or another --output). Ctrl-C or SIGTERM stops at once (status 130): every
-finished group is in the file, and the same command continues.
+file is refused (pass --overwrite or another --output), and so is an existing output without that settings
+file (a file of yours, another script's output): it is left as it is unless --overwrite replaces it.
+Ctrl-C or SIGTERM stops at once (status 130): every finished group is in the file, and the same command
+continues.
 
 Outputs (scripts/outputs.py): one process per --output (a second one is refused naming the holder; the lock
 is `.<output name>.lock` beside it); an output inside --photos or over another input is refused; an output
-that cannot be written (read-only, no space, no permission) is one line `error: cannot write ...`, status 74.
+that cannot be written (read-only, no space, no permission) is one line `error: cannot write ...`, status 74;
+an output that is a symbolic link is refused (--overwrite replaces the link, never its target), one that is
+a FIFO too. A photo that is not a regular file (a FIFO named `b.jpg`) is an unreadable photo, never opened.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import adapters, cli, dataset, distributed, model_files, speedups
+from grpo_vlm import adapters, cli, dataset, distributed, files, model_files, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
@@ -149,6 +153,7 @@ class Args:
 
 
 PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png")
+PRODUCER = "summarize_photos.py"  # named in the settings file beside the output: it continues only its own
 
 
 @dataclass
@@ -177,8 +182,8 @@ def walk_files(root: Path) -> Iterator[Path]:
     def fail(error: OSError) -> None:
         raise error
 
-    for folder, _, files in os.walk(root, onerror=fail):
-        for name in files:
+    for folder, _, names in os.walk(root, onerror=fail):
+        for name in names:
             yield Path(folder) / name
 
 
@@ -414,15 +419,23 @@ def check_done(done: dict[str, dict], groups: list[Group], path: Path) -> None:
 # Summaries
 
 
+def photo_size(path: Path, group_id: str) -> tuple[int, int]:
+    """(width, height) of a photo, decoded in full; a ValueError names the group and the file."""
+    where = {"_where": f"group {group_id!r}"}  # load_image's message names the file, `_where` the group
+    try:
+        files.regular_file(path)  # NOTE: a FIFO named like a photo would block the read: refused unread
+    except ValueError as e:
+        raise ValueError(f"{data.location(where)}: {e}") from None
+    return data.load_image(str(path), where).size
+
+
 def check_photos(groups: list[Group], skipped: list[dict], skip: bool) -> tuple[list[Group], list[tuple]]:
     """(groups whose every photo decodes, the (width, height) of their photos); a photo that does not decode
     rejects its group. One decode per photo, before the model loads: a bad file costs no model time."""
     kept, sizes = [], []
     for group in groups:
-        try:  # load_image's message names the file; `_where` makes it name the group too
-            group_sizes = [
-                data.load_image(str(p), {"_where": f"group {group.id!r}"}).size for p in group.photos
-            ]
+        try:
+            group_sizes = [photo_size(p, group.id) for p in group.photos]
         except ValueError as e:
             reject(skipped, skip, group.id, "unreadable photo", str(e))
             continue
@@ -595,6 +608,7 @@ def check_args(args: Args) -> None:
     read = {"--photos": [args.photos], "--prompt-template": [args.prompt_template], "--labels": [args.labels]}
     read.update({"--adapter": [args.adapter], "--model": [args.model] if Path(args.model).is_dir() else []})
     outputs.refuse_overwriting_inputs({"--output": written}, read)
+    outputs.check_own_output(out, "--output", args.overwrite, PRODUCER)  # a user's file is never continued
 
 
 def read_prompt(path: str) -> str:
@@ -620,8 +634,8 @@ def summarise(args: Args) -> dict:
     with cli.user_errors():
         with cli.writing(path.with_suffix(".settings.json")):
             settings = settings_of(args, prompt)
-            outputs.check_settings(path, settings, args.overwrite, companions=(".skipped.json",))
-        done = {r["group_id"]: r for r in outputs.read_resumable(path, "group_id", "summarize_photos.py")}
+            outputs.check_settings(path, settings, args.overwrite, PRODUCER, companions=(".skipped.json",))
+        done = {r["group_id"]: r for r in outputs.read_resumable(path, "group_id", PRODUCER)}
     check_done(done, groups, path)
     todo = [g for g in groups if g.id not in done]
     if args.labels:

@@ -115,8 +115,12 @@ def test_evaluate_with_a_sample_lacking_a_field_its_reward_reads_exits_2_before_
 
 
 def test_evaluate_into_an_output_damaged_before_its_last_line_exits_2_naming_file_and_line(tmp_path):
-    output = write_lines(tmp_path / "e.jsonl", "{not json", '{"source": "builtin:inspection", "id": "x"}')
-    args = ["--eval-size", "1", "--max-new-tokens", "2", "--output", output]
+    output = tmp_path / "e.jsonl"
+    args = ["--eval-size", "2", "--max-new-tokens", "2", "--output", output]
+    first = run_script("evaluate.py", *args)  # its own output, its settings beside it: one it may continue
+    assert first.returncode == 0, first.stderr[-3000:]
+    second_line = output.read_text(encoding="utf-8").splitlines(keepends=True)[1]
+    output.write_text("{not json\n" + second_line, encoding="utf-8")
     assert_user_error(run_script("evaluate.py", *args), f"{output}:1:", "--overwrite")
 
 
