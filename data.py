@@ -99,7 +99,7 @@ def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
 
 def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
     if not isinstance(sample, dict):
-        raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")  # noqa: TRY004 (a data error, reported as one)
+        raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")  # noqa: TRY004
     has_prompt, has_messages = "prompt" in sample, "messages" in sample
     if has_prompt == has_messages:
         raise ValueError(f"{where}: a sample needs exactly one of 'prompt' (string) or 'messages' (list)")
