@@ -98,8 +98,8 @@ def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
 
 
 def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
-    if not isinstance(sample, dict):
-        raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")  # noqa: TRY004
+    if type(sample) is not dict:  # json.loads makes plain dicts; a data error, so a ValueError
+        raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")
     has_prompt, has_messages = "prompt" in sample, "messages" in sample
     if has_prompt == has_messages:
         raise ValueError(f"{where}: a sample needs exactly one of 'prompt' (string) or 'messages' (list)")

@@ -10,7 +10,6 @@ is not finite, in the model's dtype, on a probe input `x` of ones (`lora_alpha` 
 sampler would draw from NaN); the model is unchanged when an adapter is refused.
 """
 
-import json
 import math
 from pathlib import Path
 
@@ -39,15 +38,7 @@ FIELDS = {
 def read_adapter_config(path: Path) -> dict:
     """adapter_config.json as a dict whose fields lora.py can load; anything else is a ValueError naming the
     file and the field."""
-    raw = files.regular_file(path).read_bytes()
-    try:
-        config = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a JSON file ({e})") from e
-    except RecursionError as e:  # json's parser recurses once per '[' or '{'
-        raise ValueError(f"{path}: JSON nested too deeply") from e
-    except ValueError as e:  # an integer of more than 4,300 digits
-        raise ValueError(f"{path}: {e}") from e
+    config = files.read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"{path}: must hold a JSON object, got {type(config).__name__}")  # noqa: TRY004
     model_io.check_loadable(path, config)  # first: target_modules may be one regex string in PEFT

@@ -8,6 +8,7 @@ Choices:
 - `save_model` writes a whole model folder as `from_pretrained` reads it (merge first: `lora.unload_lora`).
 """
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -18,6 +19,18 @@ def regular_file(path: str | Path) -> Path:
     if (path := Path(path)).exists() and not path.is_file():  # is_file: stat.S_ISREG
         raise ValueError(f"{path} is not a regular file; refusing to read it")
     return path
+
+
+def read_json(path: str | Path) -> object:
+    """The JSON in `path`, a regular file; a ValueError naming it when it is not UTF-8, not JSON (an integer
+    of more than 4,300 digits included) or nested too deeply."""
+    raw = regular_file(path).read_bytes()
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as e:  # json's parser recurses once per '[' or '{'
+        raise ValueError(f"{path}: JSON nested too deeply") from e
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, int's digit limit
+        raise ValueError(f"{path}: not a JSON file ({e})") from e
 
 
 def write_file(path: Path, content: bytes, *, name: str | Path | None = None) -> None:

@@ -9,7 +9,6 @@ names the folder, the file or the first tensor whose size differs.
 """
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +17,6 @@ from safetensors import SafetensorError
 
 import model_io
 from grpo_vlm import files
-
-
-def read_json(path: Path) -> object:
-    """The JSON in `path`; a ValueError naming it when it is not UTF-8, not JSON or nested too deeply."""
-    raw = files.regular_file(path).read_bytes()
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except RecursionError as e:  # json's parser recurses once per '[' or '{'
-        raise ValueError(f"{path}: JSON nested too deeply") from e
-    except ValueError as e:  # not UTF-8, not JSON, an integer of more than 4,300 digits
-        raise ValueError(f"{path}: not a JSON file this project can read ({e})") from e
 
 
 @contextlib.contextmanager
@@ -57,7 +45,7 @@ def load_model(name_or_path: str, *, device, dtype, attn_implementation: str | N
     (ValueError): (model, tokenizer, image_processor or None)."""
     folder = Path(name_or_path).expanduser()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        read_json(path)
+        files.read_json(path)
     with _size_mismatches() as mismatches:
         try:
             return model_io.load_model(
