@@ -197,7 +197,7 @@ class Rollout:
     """Everything sampled and scored for one batch of N = B*G rows."""
 
     prompts: data.PromptBatch  # the B prompts once: input_ids (B, P), attention_mask, [pixel_values, ...]
-    # (with tools: the N rows, each with its prompt's and its tools' images)
+    # (with tools: the N rows and their images' grids; their pixel_values only if a pass reads them)
     completion_ids: torch.Tensor  # (N, T)
     mask: torch.Tensor  # (N, T) bool, True up to and including the first EOS
     truncated: torch.Tensor  # (N,) bool, no EOS within max_new_tokens
@@ -217,9 +217,10 @@ class Rollout:
     @property
     def inputs(self) -> dict[str, torch.Tensor]:
         """The N rows' model inputs, each prompt's images with its G rows: made when asked, never held (the
-        chunks keep pixels only for a pass that reads them: the plain path's full forward)."""
+        chunks keep pixels only for a pass that reads them: the plain path's full forward). With tools: the
+        rows as sampled, without pixel_values under trunk reuse."""
         G = self.completion_ids.shape[0] // self.prompts.inputs["input_ids"].shape[0]
-        return data.repeat_rows(self.prompts, G).inputs
+        return dict(self.prompts.inputs) if G == 1 else data.repeat_rows(self.prompts, G).inputs
 
 
 def train_step(
@@ -377,8 +378,12 @@ def tool_rollout(run: Run, prompts: list[dict], args: Args, batch: data.PromptBa
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
     chunks = speedups.row_chunks(run.model, turns.inputs, turns.completion_ids, None, run.speed)
+    # NOTE: the N rows' fp32 pixels (1.3 GiB for 64 rows of one 952x952 photo, before the tools' images) are
+    # kept only if a pass reads them (the plain path's chunks: views of one storage); a trunk encoded them.
+    read = any("pixel_values" in chunk.inputs for chunk in chunks)
+    inputs = {k: v for k, v in turns.inputs.items() if read or k != "pixel_values"}
     return Rollout(
-        prompts=data.PromptBatch(turns.inputs, turns.images_per_row),  # N rows, each with its own images
+        prompts=data.PromptBatch(inputs, turns.images_per_row),  # the N rows, each with its own images
         completion_ids=turns.completion_ids,
         mask=mask,
         truncated=turns.truncated,

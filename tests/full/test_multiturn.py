@@ -9,11 +9,13 @@
 3. A scripted policy (its turns written by hand) makes every malformed call: each is answered with its error
    and counted; a call past --max-tool-calls and the length bound end the rollout, truncated.
 4. train.py: --max-tool-calls 0 never enters multiturn.py; a run with tools, interrupted and resumed, equals
-   an uninterrupted one byte for byte; 2 gloo ranks give the one-process update on a multi-turn rollout.
+   an uninterrupted one byte for byte; 2 gloo ranks give the one-process update on a multi-turn rollout;
+   under trunk reuse the step's Rollout holds none of the N rows' pixels once its chunks are built.
 The random models write calls by chance (their sampler allowed a few tokens only), and a stand-in tool
 answers every call with a crop of the sample's image and a line of text, so that images come back.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -431,9 +433,63 @@ def test_evaluate_script_runs_tools_and_reports_the_calls(tools_checkpoint, tmp_
 B, WORLD = 2, 2
 
 
-def update_args() -> train.Args:
-    flags = dict(TOOLS_RUN, group_size=G, batch_size=B, num_iterations=2, micro_batch_size=3, beta=0.04)
+def update_args(**flags) -> train.Args:
+    flags = dict(
+        TOOLS_RUN, group_size=G, batch_size=B, num_iterations=2, micro_batch_size=3, beta=0.04, **flags
+    )
     return train_args(**flags)
+
+
+def keep_sampled(monkeypatch) -> list[multiturn.Rollouts]:
+    """multiturn.sample's results as train.tool_rollout draws them (the N rows' inputs, pixels included)."""
+    sampled, sample = [], multiturn.sample
+
+    def keep(*args, **kwargs) -> multiturn.Rollouts:
+        sampled.append(sample(*args, **kwargs))
+        return sampled[-1]
+
+    monkeypatch.setattr(multiturn, "sample", keep)
+    return sampled
+
+
+def tool_run(checkpoint: Path, args: train.Args) -> train.Run:
+    """A run with the stand-in zoom on the tools checkpoint, as train.build_run makes it."""
+    model, tokenizer, image_processor = lora_model_with_gradients(checkpoint)
+    use = train.tool_use(args, model, tokenizer, image_processor, rank=1)
+    fields = dict(tokenizer=tokenizer, image_processor=image_processor, tools=use, box_frame=None)
+    return make_run(model, args, reward_fns=train.resolve_rewards(args, "inspection"), **fields)
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor `value` holds, through dataclasses, dicts, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if dataclasses.is_dataclass(value):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for v in values for t in tensors_in(v)]
+
+
+@pytest.mark.parametrize("trunk_reuse", [True, False])
+def test_a_tool_rollout_keeps_the_rows_pixels_only_where_a_log_prob_pass_reads_them(
+    tools_checkpoint, monkeypatch, trunk_reuse
+):
+    monkeypatch.setattr(tools, "run_call", stand_in_call)
+    sampled = keep_sampled(monkeypatch)
+    args = update_args(trunk_reuse=trunk_reuse, shared_prefill=trunk_reuse)
+    run = tool_run(tools_checkpoint, args)
+    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, B, seed=0)
+    torch.manual_seed(1)
+    ro = train.tool_rollout(run, prompts, args)
+    pixels = sampled[0].inputs["pixel_values"]  # (patches, D): the N rows' prompt and tool images
+    assert sum(sampled[0].images_per_row) > sum(len(p["images"]) for p in prompts) * G  # tool images
+    storage = pixels.untyped_storage().data_ptr()
+    held = [t for t in tensors_in(ro) if t.untyped_storage().data_ptr() == storage or t.shape == pixels.shape]
+    # Under trunk reuse the trunk encoded them; the plain path's chunks read them (views of the one tensor).
+    assert bool(held) == (not trunk_reuse)
+    assert torch.equal(ro.inputs["image_grid_thw"], sampled[0].inputs["image_grid_thw"])
+    train.frozen_logprobs(run, ro, args)  # the passes read the chunks only
+    assert torch.isfinite(ro.old_logp).all() and torch.isfinite(ro.ref_logp).all()
 
 
 def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> dict:
@@ -462,11 +518,9 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     from full.test_distributed import torchrun
 
     monkeypatch.setattr(tools, "run_call", stand_in_call)
-    model, tokenizer, image_processor = lora_model_with_gradients(tools_checkpoint)
+    sampled = keep_sampled(monkeypatch)  # the rows with their pixels, which the Rollout no longer holds
     args = update_args()
-    use = train.tool_use(args, model, tokenizer, image_processor, rank=1)
-    fields = dict(tokenizer=tokenizer, image_processor=image_processor, tools=use, box_frame=None)
-    run = make_run(model, args, reward_fns=train.resolve_rewards(args, "inspection"), **fields)
+    run = tool_run(tools_checkpoint, args)
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
     ro = train.tool_rollout(run, prompts, args)
@@ -474,9 +528,10 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     assert ro.inputs["image_grid_thw"].shape[0] > sum(len(p["images"]) for p in prompts) * G  # tool images
     for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
         assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"
-    fields = ("inputs", "completion_ids", "mask", "truncated", "reward", "adv", "old_logp", "ref_logp")
-    lora_weights = [p.detach().clone() for p in lora.lora_parameters(model)]
-    torch.save({"lora": lora_weights, **{k: getattr(ro, k) for k in fields}}, tmp_path / "rollout.pt")
+    fields = ("completion_ids", "mask", "truncated", "reward", "adv", "old_logp", "ref_logp")
+    lora_weights = [p.detach().clone() for p in lora.lora_parameters(run.model)]
+    fixed = {"lora": lora_weights, "inputs": sampled[0].inputs, **{k: getattr(ro, k) for k in fields}}
+    torch.save(fixed, tmp_path / "rollout.pt")
     torchrun(__file__, str(tmp_path / "rollout.pt"), str(tools_checkpoint), cwd=tmp_path)
     one = rank_update(tmp_path / "rollout.pt", tools_checkpoint, 0, 1)
     # Adam divides by sqrt(v): where a gradient is near 0, its rounding moves a weight by up to ~lr * 1e-3.
