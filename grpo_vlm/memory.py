@@ -11,6 +11,12 @@
 - update: what the K adapted blocks save for the backward of one micro-batch (`activations`: counted below
   from their ops; with checkpointing only each block's input, plus one block recomputed), then the larger of
   the LM head's and a block's backward working set.
+- with tools (`tool_image_tokens` > 0, multiturn.py): sampling is generate's, turn by turn, whatever
+  --shared-prefill says: its cache of N rows x (P + T) grown by concatenation, each turn's prefill over the
+  whole sequence so far, the N rows' fp32 pixels (the prompt's images and the tools', G copies of each
+  prompt's) and one vision block's working set over them, as each turn re-encodes every image; nothing is
+  recorded, the trunk is captured after sampling. Through the update the rows' pixels stay on the plain path
+  only (train.tool_rollout drops them under trunk reuse). T is the completion with the tool turns' tokens.
 `peak` is the largest phase. Every count is per token of n micro-batch rows x S = P + T - 1 positions, and
 assumes, as train.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
 decoder, trunk reuse, fused attention (SDPA's flash / memory-efficient kernels, which save q, k, v, the output
@@ -92,9 +98,11 @@ def estimate(
     group_size: int = 8,
     num_params: int | None = None,
     image_tokens: int | None = None,
+    tool_image_tokens: int = 0,
 ) -> dict[str, int]:
     """Bytes per phase of one step (see the module docstring) and their `peak`; `num_params` defaults to
-    `parameter_count(config)`, `image_tokens` (visual tokens per prompt) to all P with a vision tower."""
+    `parameter_count(config)`, `image_tokens` (visual tokens per prompt) to all P with a vision tower;
+    `tool_image_tokens`: the visual tokens a row's tool turns may add (0: no tools)."""
     text = config.get_text_config()
     H, I, L, V = text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.vocab_size
     heads, d, f32 = text.num_attention_heads, dtype_bytes, 4
@@ -114,9 +122,17 @@ def estimate(
     sampling = kv_cache + 2 * recording + draw + weight32  # the sampler draws from the fp32 head
     if not shared_prefill:  # generate: all N rows prefilled, a cache grown by concatenation (old and new)
         sampling = 2 * kv_cache + N * P * 3 * I * d + draw
-    # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: 4 patches a token,
-    # each prompt's once when the chunks drop theirs after the trunk (train.Rollout.prompts).
-    pixels = (N // group_size if trunk_reuse else N) * image_tokens * 4 * 3 * 2 * 14 * 14 * f32
+    if tool_image_tokens:  # generate turn by turn: each turn prefills every row's whole sequence, images too
+        visual = N * (image_tokens + tool_image_tokens)  # the rows' visual tokens, re-encoded each turn
+        h, i = config.vision_config.hidden_size, config.vision_config.intermediate_size
+        encoder = 4 * visual * (3 * i + 4 * h) * d  # one vision block over 4 patches a token: MLP, attention
+        rows_cache = N * (P + T) * L * 2 * kv * d  # no prompt cache shared by a group's rows
+        sampling = 2 * rows_cache + N * (P + T) * 3 * I * d + draw + pixel_bytes(visual) + encoder
+    # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: each prompt's once
+    # when the chunks drop theirs after the trunk (train.Rollout.prompts), else every row's.
+    pixels = pixel_bytes(
+        N // group_size * image_tokens if trunk_reuse else N * (image_tokens + tool_image_tokens)
+    )
     trunk = recording + (N * S * S + 2 * 3 * N * S * hd * d if trunk_reuse else 0) + pixels
     # Saved per token by one adapted block: the normed input (q/k/v's LoRA A keep it), q and k after RoPE and
     # v, both repeated to all heads, SDPA's output and its transposed copy (o_proj's input), cos and sin,
@@ -148,6 +164,12 @@ def estimate(
     }
     phases["peak"] = max(phases[k] for k in ("sampling", "logprob_pass", "update"))
     return phases
+
+
+def pixel_bytes(image_tokens: int) -> int:
+    """The fp32 `pixel_values` of `image_tokens` visual tokens: 4 patches each (Qwen-VL's 2x2 merge) of 3
+    channels x 2 frames x 14 x 14 pixels."""
+    return image_tokens * 4 * 3 * 2 * 14 * 14 * 4
 
 
 def choose_micro_batch(config: Any, *, budget_bytes: int, **shapes: Any) -> tuple[int, bool]:

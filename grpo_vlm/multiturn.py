@@ -104,6 +104,15 @@ def tool_use(
     return ToolUse(loaded, config.max_tool_calls, tokenizer, image_processor, frame, max_length)
 
 
+def tool_image_tokens(max_tool_calls: int, image_processor) -> int:
+    """The visual tokens a row's tool turns may add, for memory.estimate: one image a call (zoom's) at the
+    data's pixel budget (dataset.set_pixel_budget)."""
+    if image_processor is None:
+        return 0
+    side = image_processor.patch_size * image_processor.merge_size  # pixels of one visual token, each way
+    return max_tool_calls * dataset.image_pixel_budget(image_processor) // side**2
+
+
 @dataclass
 class _Row:
     """One row while it is sampled: its real tokens (no padding) and images so far, and its conversation."""

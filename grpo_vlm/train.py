@@ -663,9 +663,11 @@ def fit_memory(
     dtype: torch.dtype,
     longest_prompt: int,
     budget: int | None = None,
+    tool_image_tokens: int = 0,
 ) -> tuple[speedups.SpeedConfig, list[str]]:
     """The speed settings with --micro-batch-size auto (the default on CUDA) resolved by `memory.fit`, and the
-    lines that print the estimate and the choice (on CUDA or with auto). An explicit size is kept as given."""
+    lines that print the estimate and the choice (on CUDA or with auto). An explicit size is kept as given.
+    `tool_image_tokens`: with tools, the visual tokens a row's tool turns may add (in the completion)."""
     speed = args.speed
     auto = speed.micro_batch_size == "auto" or (speed.micro_batch_size is None and device.type == "cuda")
     if not auto and device.type != "cuda":
@@ -673,7 +675,7 @@ def fit_memory(
     shapes = dict(
         rows=args.batch_size * args.group_size,
         prompt_len=longest_prompt,
-        completion_len=args.sampling.max_new_tokens,
+        completion_len=args.sampling.max_new_tokens + tool_image_tokens,
         last_k=args.lora.lora_last_k,
         lora_r=args.lora.lora_r,
         dtype_bytes=dtype.itemsize,
@@ -681,6 +683,7 @@ def fit_memory(
         shared_prefill=speed.shared_prefill,
         group_size=args.group_size,
         num_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),  # adapters aside
+        tool_image_tokens=tool_image_tokens,
     )
     budget = memory.device_budget(device) if budget is None else budget
     size = None if auto else speed.micro_batch_size  # None: memory.fit chooses
@@ -717,7 +720,10 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     torch.manual_seed(args.seed)  # LoRA's A init (the same on every rank), then sampling
     lora_config.check_fits(model, args.lora, memory.device_budget(device))  # a huge --lora-r: before it fills
     lora_config.inject(model, args.lora)
-    speed, lines = fit_memory(args, model, device, dtype, resized.longest_prompt)
+    tool_tokens = multiturn.tool_image_tokens(args.tools.max_tool_calls, image_processor)
+    speed, lines = fit_memory(
+        args, model, device, dtype, resized.longest_prompt, tool_image_tokens=tool_tokens
+    )
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation

@@ -110,6 +110,27 @@ def test_the_parameter_count_from_the_3b_and_7b_configs_is_the_models():
         assert memory.parameter_count(config) == sum(p.numel() for p in model.parameters())
 
 
+def test_tool_rollouts_count_every_rows_pixels_re_encoded_and_re_prefilled_each_turn():
+    # N = 64 rows, P = 1200, T = 256; 36 blocks, 2 KV heads of 128; the vision tower's width 1280, MLP 3420.
+    config = Qwen2_5_VLConfig(**memory.QWEN25_VL["3b"])
+    shapes = dict(README_SHAPES, image_tokens=1156, micro_batch_size=None, gradient_checkpointing=False)
+    tool_tokens = 2 * 1156  # two zooms a row, each at the 952 x 952 photo's 34 x 34 tokens
+    without = memory.estimate(config, **shapes)
+    assert memory.estimate(config, **shapes, tool_image_tokens=0) == without  # off: the figures unchanged
+    tools = memory.estimate(config, **shapes, tool_image_tokens=tool_tokens)
+    pixels = 64 * (1156 + 2312) * 4 * 1176 * 4  # fp32, 4 patches a token, 3 x 2 x 14 x 14 values a patch
+    cache = 64 * (1200 + 256) * 36 * 2 * 256 * 2  # generate's: every row, keys and values, bf16
+    prefill = 64 * (1200 + 256) * 3 * 11008 * 2  # one block's MLP over each row's whole sequence
+    encoder = 4 * 64 * (1156 + 2312) * (3 * 3420 + 4 * 1280) * 2  # one vision block over every patch
+    draw = 3 * 64 * 151936 * 4
+    made = tools["sampling"] - tools["weights"] - tools["lora+adam"]
+    assert made == 2 * cache + prefill + draw + pixels + encoder == 44_626_796_544  # the encoder: 25.4 GiB
+    assert tools["trunk"] == without["trunk"]  # trunk reuse: the rows' pixels dropped, each prompt's kept
+    plain = dict(shapes, trunk_reuse=False, shared_prefill=False)
+    extra = memory.estimate(config, **plain, tool_image_tokens=tool_tokens)["trunk"]
+    assert extra - memory.estimate(config, **plain)["trunk"] == memory.pixel_bytes(64 * tool_tokens)
+
+
 def test_auto_takes_the_largest_micro_batch_that_fits_then_checkpointing_then_one_row():
     config = Qwen2_5_VLConfig(**memory.QWEN25_VL["7b"])
 

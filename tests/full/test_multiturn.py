@@ -34,7 +34,7 @@ import grpo
 import lora
 import model_io
 from full.test_families import adapted
-from grpo_vlm import cli, distributed, files, multiturn, speedups, tasks, tools, train
+from grpo_vlm import cli, distributed, files, memory, multiturn, speedups, tasks, tools, train
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -483,6 +483,7 @@ def test_a_tool_rollout_keeps_the_rows_pixels_only_where_a_log_prob_pass_reads_t
     ro = train.tool_rollout(run, prompts, args)
     pixels = sampled[0].inputs["pixel_values"]  # (patches, D): the N rows' prompt and tool images
     assert sum(sampled[0].images_per_row) > sum(len(p["images"]) for p in prompts) * G  # tool images
+    assert pixels.nbytes == memory.pixel_bytes(int(sampled[0].inputs["mm_token_type_ids"].sum()))
     storage = pixels.untyped_storage().data_ptr()
     held = [t for t in tensors_in(ro) if t.untyped_storage().data_ptr() == storage or t.shape == pixels.shape]
     # Under trunk reuse the trunk encoded them; the plain path's chunks read them (views of the one tensor).
