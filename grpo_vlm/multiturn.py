@@ -21,6 +21,11 @@ Choices:
   padding: the G rows of a prompt diverge (one calls a tool, another answers). Its input is the whole
   sequence so far with every image; Qwen-VL numbers the tokens of an image that appears mid-sequence by its
   grid from the row's real tokens (`get_rope_index`), the same in every turn and in the recompute.
+  NOTE: each turn re-prefills, vision tower included; transformers 5.24 cannot continue a re-batched turn
+  from the last turn's cache: its caches never move a row along the sequence (cache_utils.py:146-150,
+  475-482), Qwen-VL's continuation reads `rope_deltas` left on the model for the last call's rows
+  (models/qwen2_5_vl/modeling_qwen2_5_vl.py:1405-1414, 1156-1166), and new images need `image_grid_thw`
+  both for the new images only (1214-1222) and for all (1424-1428). docs/tools.md has the details.
 - The tool turn is the chat template's own: the conversation rendered with the tool's message, minus the
   same conversation rendered up to the model's text, so that each checkpoint's template decides.
 - The rows' inputs hold every image of the row in order (the prompt's, then the tools') and
