@@ -26,6 +26,7 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -142,13 +143,14 @@ def kept_image(
     image: Any, sample: dict, load: Callable, image_processor, kept: Kept, out: dict[str, bytes]
 ) -> dict:
     """One image's entry, its JPEGs into `out` unless handed on before; {"error": ...} if it is unreadable."""
-    try:
-        stamp = None
-        if isinstance(image, str | os.PathLike):  # a file seen before, unchanged: nothing decoded
+    stamp = None
+    if isinstance(image, str | os.PathLike):  # a file seen before, unchanged: nothing decoded
+        with contextlib.suppress(OSError):  # NOTE: a file gone: data.load_image names what is wrong
             status = os.stat(image)
             stamp = (str(image), status.st_mtime_ns, status.st_size)
-            if stamp in kept.by_file:
-                return dict(kept.by_file[stamp])
+        if stamp in kept.by_file:
+            return dict(kept.by_file[stamp])
+    try:
         decoded = load(image, sample)
     except KEPT_ERRORS as e:
         return {"error": one_line(e)}
