@@ -120,16 +120,18 @@ class Args:
     """A step with a non-finite loss or gradient is skipped; more than this many in a row stop the run."""
     output_dir: str | None = None
     """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
-    timings.jsonl, checkpoint-*/, adapter/, curves.png. A new or empty folder, or a run folder (its run.json
-    names the run); one run and one process per folder."""
+    eval_samples.jsonl, timings.jsonl, thumbs/, checkpoint-*/, report.html, adapter/, curves.png. A new or
+    empty folder, or a run folder (its run.json names the run); one run and one process per folder."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1
-    """Keep every completion (text, rewards, advantage) in rollouts.jsonl every this many steps; 0: never."""
+    """Keep every completion (text, rewards, advantage, its images in thumbs/) in rollouts.jsonl every this
+    many steps; 0: never."""
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
     """Also send metrics and a few completions to this tracker (its package must be installed)."""
     eval_every: int = 25
-    """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
+    """Greedy held-out evaluation every this many steps (and before the first and after the last); each
+    sample's completion and scores go to eval_samples.jsonl."""
     eval_image_ablation: Literal["none", "blank", "shuffle"] = "none"
     """Also evaluate with every image grey (blank) or the images permuted across samples (shuffle), logged as
     eval/accuracy_<mode>: does the policy look at the images?"""
