@@ -934,8 +934,9 @@ def evaluate(run: Run, args: Args) -> tuple[dict, list[dict], dict[str, bytes]]:
     run.model.eval()
     sets = (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated))
     try:
-        mine = [held_out_sums(run, samples, args, records=not i) for i, (_, samples) in enumerate(sets)]
-        mine = {"sums": [sums for sums, _, _ in mine], "samples": mine[0][1], "files": mine[0][2]}
+        # the main set's per-sample records only: the ablated copy's are not logged
+        per_set = [held_out_sums(run, samples, args, records=not i) for i, (_, samples) in enumerate(sets)]
+        mine = {"sums": [sums for sums, _, _ in per_set], "samples": per_set[0][1], "files": per_set[0][2]}
     except (Exception, cli.Stopped) as error:
         distributed.gather_lists([{"failed": getattr(error, "user_message", None) or str(error)}])
         raise
@@ -974,10 +975,10 @@ def held_out_sums(
             texts = data.decode_completions(run.tokenizer, ids, mask, ends)
         else:  # multi-turn: the final answers scored, the trajectories and calls in the samples
             options = dict(group_size=1, sampling=dict(run.sampling, temperature=0.0))
-            turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
-            texts, chunk, mask, truncated = turns.texts, turns.samples, turns.mask, turns.truncated
-            calls += int(turns.counts["calls"].sum())
-            turns = turns.turns
+            rollouts = multiturn.sample(run.model, batch, chunk, run.tools, **options)
+            texts, chunk, mask = rollouts.texts, rollouts.samples, rollouts.mask
+            truncated, turns = rollouts.truncated, rollouts.turns
+            calls += int(rollouts.counts["calls"].sum())
         lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
         scores = scoring.score(texts, chunk, run.reward_fns, completion_lengths=lengths, timeout=timeout)
         totals += scores.total
