@@ -2,9 +2,9 @@
 are whole, and what a resume loads.
 
 A run folder holds run.json (the run's id and settings, and whether it finished), metrics.jsonl,
-timings.jsonl and rollouts.jsonl (appended step by step), checkpoint-NNNNNN/ folders (the adapter, written by
-the caller's function, e.g. model_io.save_adapter, and the trainer state), and at the end adapter/ and
-curves.png.
+timings.jsonl, rollouts.jsonl and eval_samples.jsonl (appended step by step), thumbs/ (the logged samples'
+images, thumbnails.py), checkpoint-NNNNNN/ folders (the adapter, written by the caller's function, e.g.
+model_io.save_adapter, and the trainer state), report.html, and at the end adapter/ and curves.png.
 
 Choices:
 - One writer per folder: the process that trains holds the folder's lock (cli.hold_lock) from before it looks
@@ -439,8 +439,9 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
 # --- Run folders: one run per folder ------------------------------------------------------------------------
 # What a run writes into its folder, besides checkpoint-*/. `run.json` with a run id is the folder's marker:
 # --overwrite removes these and the run's own checkpoints, nothing else.
-RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png")
-RUN_FOLDERS = ("adapter", "tensorboard")
+RUN_LOGS = ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "eval_samples.jsonl")  # trimmed on --resume
+RUN_FILES = ("run.json", *RUN_LOGS, "curves.png", "report.html")
+RUN_FOLDERS = ("adapter", "tensorboard", "thumbs")
 LOCK_FILE = ".lock"  # cli.hold_lock's: never removed while the folder holds anything else
 
 
@@ -615,7 +616,7 @@ def open_run_folder(
     for leftover in out.glob("checkpoint-*.tmp"):  # of a save that was killed: never a checkpoint
         shutil.rmtree(leftover, ignore_errors=True)
     if mode == "resume":
-        for name in ("metrics.jsonl", "timings.jsonl", "rollouts.jsonl"):
+        for name in RUN_LOGS:
             trim_jsonl(out / name, start_step)
     # NOTE: "finished" turns true only at the run's real end (`mark_finished`): a process a plug-in ended
     # with os._exit(0), whose exit status says success, leaves it false.

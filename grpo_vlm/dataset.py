@@ -4,8 +4,8 @@ data.py holds what GRPO needs (JSONL samples, prompts, rows, decoding, the built
 module extends it for `python -m grpo_vlm` and the scripts: `DataConfig` (the data flags) and `load_samples`
 (JSONL files or any built-in task of tasks.py), per-image text `summaries` rendered into the prompt at load
 time, image ablation (blank or shuffled images), the processor's pixel budget (`--min-pixels`,
-`--max-pixels`, images above `--max-image-pixels` refused), every sample checked before any model work, and
-the grounding fields a reward reads.
+`--max-pixels`, images above `--max-image-pixels` refused), every sample checked before any model work, the
+grounding fields a reward reads, and what a log record shows of its sample (`prompt_text`, `target_fields`).
 
 Choices:
 - Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
@@ -19,6 +19,7 @@ Choices:
 from __future__ import annotations
 
 import functools
+import json
 import math
 import random
 import re
@@ -434,3 +435,25 @@ def with_grounding(samples: list[dict], image_processor, frame: str | None) -> l
             sample = {**sample, "grounding": {"frame": frame, **sizes}}
         out.append(sample)
     return out
+
+
+# --- What a log record shows of its sample (rollouts.jsonl, eval_samples.jsonl) -----------------------------
+# The sample fields the built-in rewards compare a completion with (boxes and regions in original pixels).
+TARGET_FIELDS = ("label", "answer", "bbox", "boxes", "region", "count", "margin")
+
+
+def prompt_text(sample: dict) -> str:
+    """The text parts of the sample's chat turns (data.sample_messages) in order, joined by a blank line."""
+    texts = []
+    for message in data.sample_messages(sample):
+        content = message.get("content")
+        if isinstance(content, str):  # a plain-text turn (a system prompt, say)
+            texts.append(content)
+        else:
+            texts += [part["text"] for part in content or [] if part.get("type") == "text"]
+    return "\n\n".join(texts)
+
+
+def target_fields(sample: dict) -> dict:
+    """The TARGET_FIELDS the sample has, as JSON values (a task's tuples as lists)."""
+    return {key: json.loads(json.dumps(sample[key])) for key in TARGET_FIELDS if key in sample}

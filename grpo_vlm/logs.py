@@ -1,6 +1,6 @@
-"""What a run leaves behind besides its adapter: metrics, timings and one record per sampled completion as
-JSONL, the progress line and the curves PNG (trackers.py mirrors the metrics to an experiment tracker).
-Imports the standard library and matplotlib, nothing from this project.
+"""What a run leaves behind besides its adapter: metrics, timings, one record per sampled completion and one
+per held-out sample at each evaluation as JSONL, the progress line and the curves PNG (trackers.py mirrors
+the metrics to an experiment tracker). Imports the standard library and matplotlib, nothing from this project.
 
 Legend: `B` prompts, `G` completions per prompt (the group), `N = B*G` rows; rows [g*G, (g+1)*G) are
 prompt g's group.
@@ -24,6 +24,7 @@ import numbers
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,12 +78,15 @@ def rollout_records(
     truncated: list[bool],
     group_size: int,
     turns: list[list[dict]] | None = None,
+    extras: list[dict] | None = None,
 ) -> list[dict]:
     """One JSON-ready dict per sampled completion, for rollouts.jsonl. `samples`: the B prompts' or one per
     row; every other list has N entries. A length mismatch raises rather than mispair rows and samples.
-    `turns` (multi-turn rollouts): each row's model turns, each with its tool call's record, in order."""
+    `turns` (multi-turn rollouts): each row's model turns, each with its tool call's record, in order.
+    `extras`: each row's further fields (its prompt, target, thumbnails, parsed boxes), added at the end."""
     N = len(texts)
     columns = {"reward": reward, "adv": adv, "lengths": lengths, "truncated": truncated, **components}
+    columns |= {"extras": extras} if extras is not None else {}
     wrong = {name: len(values) for name, values in columns.items() if len(values) != N}
     if group_size < 1 or N % group_size or wrong or len(samples) not in (N, N // group_size):
         raise ValueError(
@@ -108,6 +112,8 @@ def rollout_records(
     ]
     for record, row_turns in zip(records, turns or []):
         record["turns"] = row_turns  # the completion above is the last turn's text: the final answer
+    for record, fields in zip(records, extras or []):
+        record.update(fields)
     return records
 
 
@@ -167,7 +173,8 @@ NO_SIGNAL_WARNING = (
 @dataclass
 class StepLog:
     """What the writing rank keeps between training steps, and what it does with each step's record: append
-    metrics.jsonl, timings.jsonl and rollouts.jsonl, mirror to the tracker, print progress and warnings."""
+    metrics.jsonl, timings.jsonl, rollouts.jsonl and eval_samples.jsonl, mirror to the tracker, print progress
+    and warnings."""
 
     out: Path
     tracker: Any  # a trackers.Tracker, or None
@@ -180,9 +187,11 @@ class StepLog:
     accuracy: float | None = None  # the latest held-out accuracy, shown on the progress line
     no_signal_in_a_row: int = 0
 
-    def first(self, record: dict) -> None:
-        """The step-0 evaluation, before any training step: metrics.jsonl and the tracker."""
+    def first(self, record: dict, eval_samples: Sequence[dict] = ()) -> None:
+        """The step-0 evaluation, before any training step: metrics.jsonl, eval_samples.jsonl (one record per
+        held-out sample) and the tracker."""
         append_jsonl(self.out / "metrics.jsonl", record)
+        append_jsonl(self.out / "eval_samples.jsonl", *({"step": 0, **r} for r in eval_samples))
         if self.tracker is not None:
             self.tracker.log(record, 0)
 
@@ -190,9 +199,19 @@ class StepLog:
         if self.tracker is not None:
             self.tracker.close()
 
-    def step(self, record: dict, timings: dict, completions: list[dict], bad_in_a_row: int) -> None:
+    def step(
+        self,
+        record: dict,
+        timings: dict,
+        completions: list[dict],
+        bad_in_a_row: int,
+        eval_samples: Sequence[dict] = (),
+    ) -> None:
+        """`eval_samples`: this step's evaluation's per-sample records (none: no evaluation), given "step"."""
         step, total = record["step"], self.total_steps
-        for name, rows in (("metrics", [record]), ("timings", [timings]), ("rollouts", completions)):
+        evaluated = [{"step": step, **r} for r in eval_samples]
+        files = (("metrics", [record]), ("timings", [timings]), ("rollouts", completions))
+        for name, rows in (*files, ("eval_samples", evaluated)):
             append_jsonl(self.out / f"{name}.jsonl", *rows)
         self.accuracy = record.get("eval/accuracy", self.accuracy)
         if self.tracker is not None:

@@ -66,6 +66,7 @@ from grpo_vlm import (
     scoring,
     speedups,
     tasks,
+    thumbnails,
     tools,
     trackers,
 )
@@ -119,16 +120,18 @@ class Args:
     """A step with a non-finite loss or gradient is skipped; more than this many in a row stop the run."""
     output_dir: str | None = None
     """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
-    timings.jsonl, checkpoint-*/, adapter/, curves.png. A new or empty folder, or a run folder (its run.json
-    names the run); one run and one process per folder."""
+    eval_samples.jsonl, timings.jsonl, thumbs/, checkpoint-*/, report.html, adapter/, curves.png. A new or
+    empty folder, or a run folder (its run.json names the run); one run and one process per folder."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1
-    """Keep every completion (text, rewards, advantage) in rollouts.jsonl every this many steps; 0: never."""
+    """Keep every completion (text, rewards, advantage, its images in thumbs/) in rollouts.jsonl every this
+    many steps; 0: never."""
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"
     """Also send metrics and a few completions to this tracker (its package must be installed)."""
     eval_every: int = 25
-    """Greedy held-out evaluation every this many steps (and before the first and after the last)."""
+    """Greedy held-out evaluation every this many steps (and before the first and after the last); each
+    sample's completion and scores go to eval_samples.jsonl."""
     eval_image_ablation: Literal["none", "blank", "shuffle"] = "none"
     """Also evaluate with every image grey (blank) or the images permuted across samples (shuffle), logged as
     eval/accuracy_<mode>: does the policy look at the images?"""
@@ -190,6 +193,7 @@ class Run:
     tools: multiturn.ToolUse | None = None  # --max-tool-calls > 0: multi-turn rollouts
     rank: int = 0  # torchrun: this process's rank among `world`; one process: 0 of 1
     world: int = 1
+    kept: thumbnails.Kept = dataclasses.field(default_factory=thumbnails.Kept)  # thumbnails handed to rank 0
 
 
 @dataclass
@@ -269,14 +273,42 @@ def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Eve
     return start.elapsed_time(end) / 1000  # milliseconds
 
 
-def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> list[dict]:
-    """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows."""
+def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> tuple[list[dict], dict[str, bytes]]:
+    """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows, and the
+    thumbnails they name that no rank handed to the writer before (file name -> JPEG)."""
     if not args.log_completions_every or step % args.log_completions_every:
-        return []
+        return [], {}
     components = {name: values.tolist() for name, values in ro.components.items()}
     numbers = (ro.reward.tolist(), ro.adv.tolist(), ro.mask.sum(dim=1).tolist(), ro.truncated.tolist())
-    rows = logs.rollout_records(step, ro.samples, ro.texts, components, *numbers, args.group_size, ro.turns)
-    return distributed.gather_lists(rows)  # every rank's rows (one process: its own)
+    extras, turns, made = logged_fields(run, ro.samples, ro.texts, ro.turns)
+    rows = logs.rollout_records(
+        step, ro.samples, ro.texts, components, *numbers, args.group_size, turns, extras=extras
+    )
+    # every rank's rows and files (one process: its own); only the writing rank writes them
+    return distributed.gather_lists(rows), merged(distributed.gather_lists([made]))
+
+
+def logged_fields(
+    run: Run, samples: list[dict], texts: list[str], turns: list[list[dict]] | None = None
+) -> tuple[list[dict], list[list[dict]] | None, dict[str, bytes]]:
+    """What a logged row shows besides its scores: each row's prompt, target, "thumbs" (its images kept:
+    thumbnails.keep) and, for a sample with boxes, the completion's boxes in original pixels; the rows' turns
+    with their returned crops' thumbnails; the new thumbnail files."""
+    thumbs, turns, made = thumbnails.keep(samples, run.image_processor, run.kept, turns)
+    extras = []
+    for sample, text, row_thumbs in zip(samples, texts, thumbs):
+        fields = {"prompt": dataset.prompt_text(sample), "target": dataset.target_fields(sample)}
+        fields["thumbs"] = row_thumbs
+        if "bbox" in sample or "boxes" in sample:
+            if "grounding" not in sample:  # NOTE: dynamic sampling's kept groups: the frame added again
+                sample = dataset.with_grounding([sample], run.image_processor, run.box_frame)[0]
+            fields["boxes_parsed"] = [list(box) for box in grounding.predicted_boxes(text, sample)]
+        extras.append(fields)
+    return extras, turns, made
+
+
+def merged(parts: list[dict]) -> dict:
+    return {key: value for part in parts for key, value in part.items()}
 
 
 def step_prompts(run: Run, step: int, args: Args) -> list[dict]:
@@ -903,14 +935,19 @@ EVAL_BATCH_SIZE = 50
 
 
 @torch.no_grad()
-def evaluate(run: Run, args: Args) -> dict:
+def evaluate(run: Run, args: Args) -> tuple[dict, list[dict], dict[str, bytes]]:
     """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's.
-    Under torchrun rank r decodes batches r, r + R, ... and the ranks' sums are gathered: every rank returns
-    one process's numbers. A failure on one rank (a reward plug-in) is raised on all: none waits alone."""
+    Also each held-out sample's record for eval_samples.jsonl (the main set's, in held-out order) and the
+    thumbnails they name that no rank handed to the writer before (file name -> JPEG).
+    Under torchrun rank r decodes batches r, r + R, ... and the ranks' sums and records are gathered: every
+    rank returns one process's numbers. A failure on one rank (a reward plug-in) is raised on all: none waits
+    alone."""
     run.model.eval()
     sets = (("", run.held_out), (f"_{args.eval_image_ablation}", run.held_out_ablated))
     try:
-        mine = {"sums": [held_out_sums(run, samples, args) for _, samples in sets]}
+        # the main set's per-sample records only: the ablated copy's are not logged
+        per_set = [held_out_sums(run, samples, args, records=not i) for i, (_, samples) in enumerate(sets)]
+        mine = {"sums": [sums for sums, _, _ in per_set], "samples": per_set[0][1], "files": per_set[0][2]}
     except (Exception, cli.Stopped) as error:
         distributed.gather_lists([{"failed": getattr(error, "user_message", None) or str(error)}])
         raise
@@ -925,32 +962,78 @@ def evaluate(run: Run, args: Args) -> dict:
             scores[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
         if samples and run.tools is not None:  # calls per completion
             scores[f"eval/tools/calls{suffix}"] = sum(r["sums"][i][2] for r in ranks) / len(samples)
-    return scores
+    records = sorted((record for r in ranks for record in r["samples"]), key=lambda record: record["index"])
+    return scores, records, merged([r["files"] for r in ranks])
 
 
-def held_out_sums(run: Run, samples: list[dict], args: Args) -> tuple[int, float, int]:
+def held_out_sums(
+    run: Run, samples: list[dict], args: Args, *, records: bool = False
+) -> tuple[tuple[int, float, int], list[dict], dict[str, bytes]]:
     """(correct, summed reward, tool calls) of this rank's greedy batches of `samples` (batches rank,
-    rank + R, ...)."""
+    rank + R, ...); with `records`, each of those samples' record for eval_samples.jsonl ("index": its place
+    in `samples`; no "step") and the new thumbnail files they name."""
     totals, correct, calls, ends = [], [], 0, run.sampling["eos_token_id"]
+    logged, made = [], {}
     greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
     for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
         chunk = samples[i : i + EVAL_BATCH_SIZE]
         batch = prompt_batch(run, chunk, args)
         chunk = dataset.with_grounding(chunk, run.image_processor, run.box_frame)
+        turns = None
         if run.tools is None:
             ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **greedy)  # (n, T)
-            mask, _ = grpo.completion_mask(ids, ends)
+            mask, truncated = grpo.completion_mask(ids, ends)
             texts = data.decode_completions(run.tokenizer, ids, mask, ends)
         else:  # multi-turn: the final answers scored, the trajectories and calls in the samples
             options = dict(group_size=1, sampling=dict(run.sampling, temperature=0.0))
-            turns = multiturn.sample(run.model, batch, chunk, run.tools, **options)
-            texts, chunk, mask = turns.texts, turns.samples, turns.mask
-            calls += int(turns.counts["calls"].sum())
+            rollouts = multiturn.sample(run.model, batch, chunk, run.tools, **options)
+            texts, chunk, mask = rollouts.texts, rollouts.samples, rollouts.mask
+            truncated, turns = rollouts.truncated, rollouts.turns
+            calls += int(rollouts.counts["calls"].sum())
         lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
         scores = scoring.score(texts, chunk, run.reward_fns, completion_lengths=lengths, timeout=timeout)
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
-    return sum(correct), sum(totals), calls
+        if records:
+            new, files = eval_records(run, i, chunk, texts, scores, lengths, truncated.tolist(), turns)
+            logged, made = logged + new, made | files
+    return (sum(correct), sum(totals), calls), logged, made
+
+
+def eval_records(
+    run: Run,
+    first: int,
+    samples: list[dict],
+    texts: list[str],
+    scores: rewards.Scores,
+    lengths: list[int],
+    truncated: list[bool],
+    turns: list[list[dict]] | None,
+) -> tuple[list[dict], dict[str, bytes]]:
+    """eval_samples.jsonl's records (without "step") of held-out samples first, first + 1, ... and their
+    greedy completions (`turns`: None without tools), and the new thumbnail files they name. "correct" is
+    the accuracy reward >= 1, as eval/accuracy counts it."""
+    extras, turns, made = logged_fields(run, samples, texts, turns)
+    records = []
+    for k, (sample, text, fields) in enumerate(zip(samples, texts, extras)):
+        images = [logs.image_reference(image) for image in sample.get("images") or []]
+        record = {
+            "index": first + k,
+            "sample_id": sample.get("id"),
+            "images": images,
+            "thumbs": fields["thumbs"],
+        }
+        record |= {"prompt": fields["prompt"], "target": fields["target"], "completion": text}
+        record["rewards"] = {name: float(values[k]) for name, values in scores.components.items()}
+        correct = scores.components[run.accuracy_name][k] >= 1.0
+        record |= {"reward": float(scores.total[k]), "correct": bool(correct)}
+        record |= {"length": int(lengths[k]), "truncated": bool(truncated[k])}
+        if "boxes_parsed" in fields:
+            record["boxes_parsed"] = fields["boxes_parsed"]
+        if turns is not None:
+            record["turns"] = turns[k]
+        records.append(record)
+    return records, made
 
 
 def print_if(condition: bool, *values) -> None:  # on the writing rank only, not R times
@@ -1012,6 +1095,23 @@ def failed_step(error: BaseException, step: int, run: Run, out: Path, beta: floa
     raise error
 
 
+def write_step(
+    log: logs.StepLog,
+    out: Path,
+    made: dict[str, bytes],
+    record: dict,
+    timings: dict,
+    completions: list[dict],
+    bad_in_a_row: int,
+    evaluated: Collection[dict] = (),
+) -> None:
+    """The writing rank's files of a step: the thumbnails first, then the lines that name them (metrics,
+    timings, rollouts, eval samples); an OSError names the file."""
+    with checkpoints.writing(out):
+        thumbnails.write(out, made)
+        log.step(record, timings, completions, bad_in_a_row, evaluated)
+
+
 def train_loop(
     run: Run,
     args: Args,
@@ -1038,25 +1138,28 @@ def train_loop(
                     checkpoints.set_rng_state(rng)
                     failed_step(error, step - 1, run, out, beta, run_id, args)  # a user's failure: raised
                 raise
-            completions = completion_rows(step, ro, run, args)  # for rollouts.jsonl (all ranks take part)
+            # rollouts.jsonl's rows and their thumbnails' files (all ranks take part)
+            completions, made = completion_rows(step, ro, run, args)
             del ro  # NOTE: its chunks and trunk recordings are freed before the next step samples, not after
             if args.kl_band.kl_target_low is not None and "kl" in record:  # adaptive KL: the next step's beta
                 beta = adaptive_kl.adapt_beta(beta, record["kl"], args.kl_band)
             bad_in_a_row = bad_in_a_row + 1 if record["skipped"] else 0  # global: the same on every rank
+            evaluated = []  # eval_samples.jsonl's records of this step's evaluation
             try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
                 if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                    record.update(evaluate(run, args))
+                    scores, evaluated, eval_made = evaluate(run, args)
+                    record.update(scores)
+                    made |= eval_made
             except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without
                 try:
                     if log is not None:
-                        log.step(record, timings, completions, bad_in_a_row)
+                        write_step(log, out, made, record, timings, completions, bad_in_a_row)
                         failed_step(error, step, run, out, beta, run_id, args)
                 finally:
                     distributed.barrier()  # NOTE: torchrun ends every rank once one exits: not before saving
                 raise
             if log is not None:
-                with checkpoints.writing(out):  # metrics, timings, rollouts: an OSError names the file
-                    log.step(record, timings, completions, bad_in_a_row)
+                write_step(log, out, made, record, timings, completions, bad_in_a_row, evaluated)
             halt = halt_reason(stop, bad_in_a_row, args)
             if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
                 save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
@@ -1108,7 +1211,10 @@ def main(args: Args, typed: Collection[str] = ()) -> dict:
             start_step, beta, run_id = resume_from(args.resume, out, run)
             print_if(writer, f"resumed {out} from step {start_step}")
         print_if(writer, describe(run, args, dtype))
-        first = {"step": 0, **(evaluate(run, args) if run.held_out else {})} if start_step == 0 else None
+        first, evaluated, made = None, [], {}
+        if start_step == 0:  # the step-0 evaluation, logged once the run folder is set up
+            scores, evaluated, made = evaluate(run, args) if run.held_out else ({}, [], {})
+            first = {"step": 0, **scores}
         stop.defer()  # from here on files are written: a signal lets the step finish and checkpoints
         log = None
         if writer:
@@ -1121,7 +1227,8 @@ def main(args: Args, typed: Collection[str] = ()) -> dict:
             log = logs.StepLog(out, tracker, time.time(), *progress, accuracy=accuracy)
             if first is not None:
                 with checkpoints.writing(out):
-                    log.first(first)
+                    thumbnails.write(out, made)
+                    log.first(first, evaluated)
         distributed.barrier()
         try:
             return train_loop(run, args, stop, log, out, start_step, beta, run_id)

@@ -344,7 +344,7 @@ def test_a_training_step_and_an_evaluation_run_wholly_on_the_stand_in_device(tmp
         run.speed = speedups.choose(run.model, args.speed, last_k=args.lora.lora_last_k)
         before = [p.detach().clone() for p in params]
         record, _, ro = train.train_step(1, run, args, args.loss.beta)
-        evaluation = train.evaluate(run, args)
+        evaluation, _, _ = train.evaluate(run, args)
         assert_on_other(*params, *[p.grad for p in params if p.grad is not None], ro.reward, ro.adv, ro.mask)
         assert any(not torch.equal(a, b) for a, b in zip(params, before))  # AdamW stepped on OTHER
     assert not record["skipped"] and set(evaluation) >= {"eval/accuracy", "eval/reward"}

@@ -219,8 +219,8 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
 
 
 def held_out_evaluation(rank: int, world_size: int) -> dict:
-    """train.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, and the
-    size of every batch this rank decoded."""
+    """train.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, the
+    per-sample records and thumbnail file names, and the size of every batch this rank decoded."""
     model, tokenizer, image_processor = lora_model_with_gradients()
     args = train_args(device="cpu", max_new_tokens=8, eval_image_ablation="blank")
     held_out = tasks.make_task("inspection", 5, split="test", seed=0)
@@ -246,7 +246,8 @@ def held_out_evaluation(rank: int, world_size: int) -> dict:
     speedups.sample = sample
     train.EVAL_BATCH_SIZE = 2  # batches [0, 2), [2, 4), [4, 5): rank 0 takes the first and the last
     try:
-        return {"metrics": train.evaluate(run, args), "decoded": decoded}
+        metrics, samples, made = train.evaluate(run, args)
+        return {"metrics": metrics, "samples": samples, "thumbs": sorted(made), "decoded": decoded}
     finally:
         speedups.sample, train.EVAL_BATCH_SIZE = real_sample, real_batch_size
 
@@ -260,6 +261,9 @@ def test_two_ranks_evaluate_half_the_held_out_batches_each_and_get_the_one_proce
     assert set(one["metrics"]) == {f"eval/{m}{s}" for m in ("accuracy", "reward") for s in ("", "_blank")}
     for r in ranks:  # each sample's greedy completion is the one of the same batch: the same numbers
         assert r["metrics"] == pytest.approx(one["metrics"], abs=1e-12)
+        # every rank's records, in held-out order, and every rank's thumbnails: the one process's
+        assert [s["index"] for s in r["samples"]] == list(range(5))
+        assert r["samples"] == one["samples"] and r["thumbs"] == one["thumbs"]
 
 
 def test_a_reward_failing_on_another_ranks_evaluation_share_stops_every_rank_after_rank_0s_checkpoint(

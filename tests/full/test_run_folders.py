@@ -221,7 +221,8 @@ def test_a_folder_without_run_json_is_never_written_into_even_with_overwrite(tmp
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text('{"step": 0, "mine": true}\n')
-    for name in ("adapter", "checkpoint-best", "tensorboard"):
+    (out / "report.html").write_text("<html>my own report</html>")
+    for name in ("adapter", "checkpoint-best", "tensorboard", "thumbs"):
         (out / name).mkdir()
         (out / name / "notes.txt").write_text("my own file")
     before = tree_digest(out)
@@ -230,7 +231,8 @@ def test_a_folder_without_run_json_is_never_written_into_even_with_overwrite(tmp
             train.main(train_args(output_dir=str(out), overwrite=overwrite, steps=1, **SMALL))
         assert tree_digest(out) == before
         assert sorted(p.name for p in out.iterdir()) == sorted(
-            ["adapter", "checkpoint-best", "tensorboard"] + ["metrics.jsonl", "rollouts.jsonl"]
+            ["adapter", "checkpoint-best", "tensorboard", "thumbs"]
+            + ["metrics.jsonl", "report.html", "rollouts.jsonl"]
         )  # not even a lock file is left
 
 
@@ -242,12 +244,13 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
         foreign, write_adapter=lambda d: None, state={"step": 99}, keep_last=None, run_id="x"
     )
     (out / "notes.txt").write_text("mine")
+    (out / "report.html").write_text("<html>the run's report</html>")  # the trainer's, at a checkpoint
     capsys.readouterr()
     train.main(train_args(output_dir=str(out), steps=1, overwrite=True, **SMALL))
     printed = capsys.readouterr().out
     assert (
         "replaced the previous run: removed adapter, checkpoint-000001, curves.png, metrics.jsonl, "
-        "rollouts.jsonl, run.json, timings.jsonl" in printed
+        "report.html, rollouts.jsonl, run.json, thumbs, timings.jsonl" in printed
     )
     assert "; left in place (not the run's own): checkpoint-000099, notes.txt" in printed
     assert checkpoints.checkpoint_run_id(foreign) == "x" and (out / "notes.txt").read_text() == "mine"
