@@ -439,7 +439,7 @@ def checkpoint_to_resume(path: str | Path, out: Path) -> tuple[Path, dict[str, A
 # --- Run folders: one run per folder ------------------------------------------------------------------------
 # What a run writes into its folder, besides checkpoint-*/. `run.json` with a run id is the folder's marker:
 # --overwrite removes these and the run's own checkpoints, nothing else.
-RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png")
+RUN_FILES = ("run.json", "metrics.jsonl", "timings.jsonl", "rollouts.jsonl", "curves.png", "report.html")
 RUN_FOLDERS = ("adapter", "tensorboard")
 LOCK_FILE = ".lock"  # cli.hold_lock's: never removed while the folder holds anything else
 

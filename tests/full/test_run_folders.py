@@ -247,7 +247,7 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
     printed = capsys.readouterr().out
     assert (
         "replaced the previous run: removed adapter, checkpoint-000001, curves.png, metrics.jsonl, "
-        "rollouts.jsonl, run.json, timings.jsonl" in printed
+        "report.html, rollouts.jsonl, run.json, timings.jsonl" in printed
     )
     assert "; left in place (not the run's own): checkpoint-000099, notes.txt" in printed
     assert checkpoints.checkpoint_run_id(foreign) == "x" and (out / "notes.txt").read_text() == "mine"
