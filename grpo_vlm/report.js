@@ -2,7 +2,8 @@
 // Texts go in through textContent only, never as HTML. Images are numbers into data.images (data: URIs),
 // texts numbers into data.texts. A rollout row is [text, reward, advantage, length, truncated,
 // [each component], extras ({boxes, turns} or 0)]. After the first render the body carries data-render-ms,
-// data-groups, data-pairs, data-images-loaded, data-images-broken, data-errors and data-ready="1".
+// then data-groups, data-pairs, data-images-loaded, data-images-broken, data-errors, data-settled-ms and
+// data-ready="1" once every image has loaded or failed: what a headless browser's test reads.
 "use strict";
 
 const data = JSON.parse(document.getElementById("report-data").textContent);
@@ -89,15 +90,18 @@ function targetBoxes(target) {
 }
 
 function thumb(entry, layers) {
-  const caption = [entry.ref, entry.size ? `${entry.size[0]}×${entry.size[1]}` : ""].filter(Boolean).join(" · ");
+  // the caption: the original size, and the file's name (an in-memory image's description is in the tooltip)
+  const name = entry.ref && !entry.ref.startsWith("<") ? entry.ref.split("/").pop() : "";
+  const caption = el("figcaption", { title: entry.ref || "" },
+    [entry.size ? `${entry.size[0]}×${entry.size[1]}` : "", name].filter(Boolean).join(" · ") || entry.ref || "");
   if (entry.t === null || entry.t === undefined) {
     return el("figure", { class: "thumb missing" }, el("div", { class: "placeholder" }, entry.why || "no thumbnail"),
-      el("figcaption", {}, caption));
+      caption);
   }
   const img = el("img", { src: IMAGES[entry.t], alt: entry.ref || "image", title: "click: the image as the model saw it" });
   const frame = el("div", { class: "frame", onclick: () => lightbox(entry) }, img);
   if (layers && layers.some(l => (l.boxes || []).length) && entry.size) frame.append(boxesSvg(entry.size, layers));
-  return el("figure", { class: "thumb" }, frame, el("figcaption", {}, caption),
+  return el("figure", { class: "thumb" }, frame, caption,
     entry.why ? el("div", { class: "why" }, entry.why) : null);
 }
 
@@ -148,19 +152,24 @@ function runSection() {
 
 // --- curves -----------------------------------------------------------------------------------------------
 function curvesSection() {
-  const { main, others } = data.charts;
+  const { main, grid, grid_keys: keys, tables } = data.charts;
   if (!main) return section("curves", "Curves", note("No metrics logged yet."));
-  const shown = el("div", { class: "chart" });
-  function show(i) {
-    const chart = others[i];
-    shown.replaceChildren(chart.png ? el("img", { src: chart.png, alt: chart.key })
-      : el("table", { class: "settings" }, el("tr", {}, el("th", {}, "step"), el("th", {}, chart.key)),
-        chart.values.map(([s, v]) => el("tr", {}, el("td", {}, s), el("td", {}, fmt(v, 6))))));
+  const more = [];
+  if (grid) {
+    more.push(el("details", {}, el("summary", {}, `the other ${keys.length} logged metrics: ${keys.join(", ")}`),
+      el("img", { src: grid, alt: keys.join(", "), class: "main-chart" })));
   }
-  const select = el("select", { onchange: e => show(+e.target.value) },
-    others.map((c, i) => el("option", { value: i }, c.key + (c.png ? "" : " (table: few values)"))));
-  const more = others.length ? el("details", { ontoggle: () => show(+select.value) },
-    el("summary", {}, `the other ${others.length} logged metrics, one at a time`), select, shown) : null;
+  const names = Object.keys(tables);
+  if (names.length) {
+    const steps = [...new Set(names.flatMap(k => tables[k].map(([s]) => s)))].sort((a, b) => a - b);
+    const table = el("table", { class: "settings", id: "metric-values" },
+      el("tr", {}, el("th", {}, "metric"), steps.map(s => el("th", {}, `step ${s}`))),
+      names.map(k => {
+        const values = Object.fromEntries(tables[k]);
+        return el("tr", {}, el("td", {}, k), steps.map(s => el("td", { class: "num" }, fmt(values[s], 4))));
+      }));
+    more.push(el("details", {}, el("summary", {}, `${names.length} ${names.length > 1 ? "metrics" : "metric"} with fewer than 10 values, as a table: ${names.join(", ")}`), table));
+  }
   return section("curves", "Curves", el("img", { src: main, alt: "reward, held-out accuracy and KL", class: "main-chart" }), more);
 }
 
@@ -400,6 +409,8 @@ function render() {
       el("nav", {}, ["run", "curves", "rollouts", "before-after"].map(id => el("a", { href: `#${id}` }, id.replace("-", " "))))),
     ...[problemsView(), runSection(), curvesSection(), rolloutsSection(), evalSection()].filter(Boolean));
   if (STEPS.length) goTo(STEPS.length - 1); // the latest step first
+  // NOTE: the browser looked for report.html#rollouts before the sections existed
+  if (location.hash) document.getElementById(location.hash.slice(1))?.scrollIntoView();
   addEventListener("keydown", e => {
     if (["INPUT", "SELECT", "TEXTAREA"].includes(document.activeElement.tagName)) return;
     if (e.key === "Escape") document.getElementById("lightbox")?.remove();
@@ -421,6 +432,7 @@ async function settle() {
     imagesLoaded: loaded,
     imagesBroken: images.length - loaded,
     errors: window.reportErrors.length,
+    settledMs: performance.now().toFixed(0), // every image decoded
     ready: "1",
   });
 }

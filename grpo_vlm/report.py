@@ -27,8 +27,9 @@ Choices:
   textContent only. A Content-Security-Policy allows inline code and data: images and nothing else, so the
   page loads nothing from the network.
 - Charts are matplotlib PNGs: logs.curves_figure (reward, held-out accuracy, KL: the figure of curves.png),
-  and one small chart per other numeric metric, shown on demand. PNG rather than SVG: its size does not grow
-  with the number of steps. A metric with fewer than MIN_CHART_POINTS values is a table of them instead.
+  and small multiples of every other numeric metric, shown on demand. PNG rather than SVG: its size does not
+  grow with the number of steps. A metric with fewer than MIN_CHART_POINTS values is a table of them instead
+  (and costs no drawing: a short run's report is quick to build).
 - Bounded: at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows, spread evenly over the run with the
   first and last included (the page names the steps left out); texts cut at MAX_TEXT characters; images read
   only from the run's thumbs/ folder, at most MAX_IMAGE_BYTES each and MAX_IMAGES_BYTES in all (beyond, a
@@ -432,39 +433,49 @@ def png_uri(figure: Figure) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def metric_chart(key: str, pts: list[tuple[float, float]], evals: list[float]) -> str:
-    """One metric against step: every step thin, its moving average thick (logs.draw_noisy)."""
-    figure = Figure(figsize=(8.0, 2.6), dpi=90)
-    figure.set_layout_engine("constrained")
-    ax = figure.subplots()
-    smoothed = logs.draw_noisy(ax, pts, (logs.RAW, logs.SMOOTH))
-    ax.vlines(evals, 0, 1, transform=ax.get_xaxis_transform(), colors=logs.EVAL_MARK, linestyles=":")
-    stats = f"last {logs.short(pts[-1][1])} at step {pts[-1][0]:g}"
-    stats += f", EMA {logs.short(smoothed)}" if smoothed is not None else ""
-    ax.set_title(key, loc="left")
-    ax.set_title(stats, loc="right", fontsize="small", color=logs.FAINT)
-    ax.set_xlabel("step")
-    ax.grid(color="0.92")
+def metrics_grid(panels: dict[str, list[tuple[float, float]]], evals: list[float]) -> str:
+    """Small multiples, one panel per metric against step: every step thin, its moving average thick
+    (logs.draw_noisy), evaluations dotted. One figure with fixed margins: a layout engine would measure every
+    panel's labels, several times the drawing's cost."""
+    columns, rows = 3, math.ceil(len(panels) / 3)
+    figure = Figure(figsize=(13.0, 0.5 + 2.1 * rows), dpi=80)
+    figure.subplots_adjust(
+        left=0.05, right=0.98, bottom=0.5 / (0.5 + 2.1 * rows), top=1 - 0.35 / (0.5 + 2.1 * rows)
+    )
+    figure.subplots_adjust(hspace=0.6, wspace=0.2)
+    axes = figure.subplots(rows, columns, squeeze=False, sharex=True).flat
+    for ax, (key, pts) in zip(axes, panels.items()):
+        smoothed = logs.draw_noisy(ax, pts, (logs.RAW, logs.SMOOTH))
+        ax.vlines(evals, 0, 1, transform=ax.get_xaxis_transform(), colors=logs.EVAL_MARK, linestyles=":")
+        stats = f"last {logs.short(pts[-1][1])}" + (
+            f", EMA {logs.short(smoothed)}" if smoothed is not None else ""
+        )
+        ax.set_title(key, loc="left", fontsize=10)
+        ax.set_title(stats, loc="right", fontsize=8, color=logs.FAINT)
+        ax.tick_params(labelsize=8)
+        ax.grid(color="0.92")
+    for ax in axes:  # the panels left over in the last row
+        ax.set_axis_off()
     return png_uri(figure)
 
 
 def charts(records: list[dict]) -> dict:
-    """The main figure (reward, accuracy, KL), and each other numeric metric: a chart, or its values as a
-    table while it has fewer than MIN_CHART_POINTS."""
+    """The main figure (reward, accuracy, KL) and the other numeric metrics: small multiples of those with at
+    least MIN_CHART_POINTS values, a table of the values of the others."""
     keys = []
     for record in records:
         keys += [k for k, v in record.items() if k not in keys and k != "step" and number(v) is not None]
     evals = [s for s, _ in logs.series(records, "eval/accuracy")]
-    others = []
+    panels, tables = {}, {}
     for key in keys:
-        if key in CHART_KEYS or not (pts := logs.series(records, key)):
-            continue
-        if len(pts) < MIN_CHART_POINTS:
-            others.append({"key": key, "values": pts})
-        else:
-            others.append({"key": key, "png": metric_chart(key, pts, evals)})
-    main = png_uri(logs.curves_figure(records)) if records else None
-    return {"main": main, "others": others}
+        if key not in CHART_KEYS and (pts := logs.series(records, key)):
+            (panels if len(pts) >= MIN_CHART_POINTS else tables)[key] = pts
+    return {
+        "main": png_uri(logs.curves_figure(records)) if records else None,
+        "grid": metrics_grid(panels, evals) if panels else None,
+        "grid_keys": list(panels),
+        "tables": tables,
+    }
 
 
 # --- The page -----------------------------------------------------------------------------------------------

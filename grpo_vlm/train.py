@@ -120,8 +120,8 @@ class Args:
     """A step with a non-finite loss or gradient is skipped; more than this many in a row stop the run."""
     output_dir: str | None = None
     """Run folder (default runs/grpo; with --resume, that run's): run.json, metrics.jsonl, rollouts.jsonl,
-    timings.jsonl, checkpoint-*/, adapter/, curves.png. A new or empty folder, or a run folder (its run.json
-    names the run); one run and one process per folder."""
+    timings.jsonl, checkpoint-*/, report.html, adapter/, curves.png. A new or empty folder, or a run folder
+    (its run.json names the run); one run and one process per folder."""
     log_every: int = 1
     """Print a progress line every this many steps (redrawn in place on a terminal, else one line each)."""
     log_completions_every: int = 1

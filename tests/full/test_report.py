@@ -144,6 +144,12 @@ def assert_report_matches(folder: Path, data: dict) -> None:
     metrics = jsonl(folder / "metrics.jsonl")
     assert data["run"]["last_metrics"] == [r for r in metrics if r["step"] > 0][-1]
     assert data["run"]["evals"] == [[r["step"], r["eval/accuracy"]] for r in metrics if "eval/accuracy" in r]
+    charts = data["charts"]
+    for key in charts["grid_keys"]:  # drawn: at least MIN_CHART_POINTS values
+        assert sum(key in r for r in metrics) >= report.MIN_CHART_POINTS
+    for key, values in charts["tables"].items():  # fewer: the values themselves
+        assert values == [[r["step"], r[key]] for r in metrics if key in r]
+    assert {"loss", "eval/reward"} <= set(charts["grid_keys"]) | set(charts["tables"])
 
 
 def test_report_holds_every_logged_step_group_and_number(tmp_path):
@@ -209,6 +215,14 @@ def test_images_come_only_from_thumbs_and_are_bounded(tmp_path, monkeypatch):
     assert second["t"] is None and "not a JPEG" in second["why"]
     assert third == {"ref": "c.png", "why": "not kept: image moved"}
     assert not any("root:" in base64 for base64 in data["images"])
+
+
+def test_metrics_with_enough_values_are_drawn_in_one_figure(tmp_path):
+    data = embedded(report.build_report(write_run_folder(tmp_path / "run", steps=12, B=1, G=2)))
+    assert data["charts"]["grid_keys"] == ["loss"] and data["charts"]["grid"].startswith(
+        "data:image/png;base64,"
+    )
+    assert list(data["charts"]["tables"]) == ["eval/reward"]  # 2 evaluations
 
 
 def test_long_runs_keep_at_most_max_steps_spread_with_first_and_last(monkeypatch, tmp_path):
