@@ -52,7 +52,7 @@ function isRight(row) {
 
 function duration(s) {
   const m = Math.floor(s / 60), h = Math.floor(m / 60);
-  return h ? `${h}h${String(m % 60).padStart(2, "0")}m` : m ? `${m}m${String(Math.round(s % 60)).padStart(2, "0")}s` : `${s.toFixed(0)}s`;
+  return h ? `${h}h${String(m % 60).padStart(2, "0")}m` : m ? `${m}m${String(Math.round(s % 60)).padStart(2, "0")}s` : `${s.toFixed(1)}s`;
 }
 
 function section(id, title, ...children) {
@@ -199,7 +199,7 @@ function groupPasses(group) {
   }
 }
 
-function turnsView(turns, images) {
+function turnsView(turns) {
   return el("ol", { class: "turns" }, turns.map(turn => {
     const call = turn.call;
     const parts = [el("pre", {}, turn.text)];

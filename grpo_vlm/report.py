@@ -33,7 +33,9 @@ Choices:
 - Bounded: at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows, spread evenly over the run with the
   first and last included (the page names the steps left out); texts cut at MAX_TEXT characters; images read
   only from the run's thumbs/ folder, at most MAX_IMAGE_BYTES each and MAX_IMAGES_BYTES in all (beyond, a
-  placeholder says so). The report of a default 100-step run (B = 16, G = 8, every step logged) is ~8 MB.
+  placeholder says so). The report of a default 100-step run (B = 16, G = 8, every step logged, a 56-px
+  picture per group) is 8.5 MB; a run with photos embeds 256-px thumbnails and larger -seen images, and
+  its report grows with them, up to the MAX_IMAGES_BYTES bound.
 """
 
 from __future__ import annotations
@@ -64,13 +66,8 @@ MIN_CHART_POINTS = 10  # fewer values: a table says more than a chart
 THUMB_PATH = re.compile(r"thumbs/[A-Za-z0-9_.-]+\.jpe?g")  # the contract's names; nothing outside thumbs/
 STEP_PREFIX = re.compile(rb'\{"step": (-?\d+)[,}]')  # how logs.rollout_records starts every line
 CHART_KEYS = ("reward/mean", "eval/accuracy", "kl")  # the panels of logs.curves_figure
-DATA_FLAGS = (
-    "--task",
-    "--data",
-    "--eval-data",
-    "--train-size",
-    "--eval-size",
-)  # the run's data, in its header
+# the settings that say which data the run trained on, shown in the report's header
+DATA_FLAGS = ("--task", "--data", "--eval-data", "--train-size", "--eval-size")
 ASSETS = Path(__file__).parent
 # Every error of the page's scripts: listed in the visible #errors, counted in <body data-errors>.
 ERROR_HOOK = """window.reportErrors = [];
@@ -524,7 +521,8 @@ def report_data(run_dir: Path) -> dict:
     rollouts = rollout_steps(run_dir, group_size, texts, images, problems)
     evals = eval_pairs(run_dir, texts, images, problems)
     if images.missing:
-        problems.append(f"thumbs/: {images.missing} image files referred to are not in the report (see each)")
+        missing = f"{images.missing} image file(s) not in the report"
+        problems.append(f"thumbs/: {missing} (each one is named where it would show)")
     accuracy = view["settings"].get("--accuracy-reward") or (rollouts["components"] or [None])[0]
     return {
         "run": view,

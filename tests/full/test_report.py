@@ -250,7 +250,7 @@ def test_damaged_lines_and_a_missing_thumbnail_are_said_inline(tmp_path):
     assert "metrics.jsonl:3: not JSON" in data["problems"]
     assert "metrics.jsonl:5: not JSON (a torn last line: a live run writing it?)" in data["problems"]
     assert "rollouts.jsonl:25: not a record with an integer step" in data["problems"]
-    assert any(p.startswith("thumbs/: 1 image files") for p in data["problems"])
+    assert any(p.startswith("thumbs/: 1 image file(s) not in the report") for p in data["problems"])
     entry = data["rollouts"]["steps"][0]["groups"][0]["images"][0]
     assert entry["t"] is None and entry["why"] == f"{missing}: missing" and isinstance(entry["s"], int)
     assert [s["step"] for s in data["rollouts"]["steps"]] == [1, 2, 3]  # everything else still shown
