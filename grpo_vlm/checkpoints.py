@@ -4,7 +4,8 @@ are whole, and what a resume loads.
 A run folder holds run.json (the run's id and settings, and whether it finished), metrics.jsonl,
 timings.jsonl, rollouts.jsonl and eval_samples.jsonl (appended step by step), thumbs/ (the logged samples'
 images, thumbnails.py), checkpoint-NNNNNN/ folders (the adapter, written by the caller's function, e.g.
-model_io.save_adapter, and the trainer state), report.html, and at the end adapter/ and curves.png.
+model_io.save_adapter, and the trainer state), report.html (rewritten at each checkpoint), and at the end
+adapter/ and curves.png.
 
 Choices:
 - One writer per folder: the process that trains holds the folder's lock (cli.hold_lock) from before it looks

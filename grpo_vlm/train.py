@@ -63,6 +63,7 @@ from grpo_vlm import (
     model_files,
     multiturn,
     plugins,
+    report,
     scoring,
     speedups,
     tasks,
@@ -829,6 +830,16 @@ def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: A
         )
 
 
+def write_report(out: Path) -> None:
+    """report.html in the run folder (report.py), written whole. It only shows the run's files: a failure to
+    build it is printed as one warning and the run goes on."""
+    try:
+        with checkpoints.writing(out, out / "report.html"):
+            report.write_report(out, out / "report.html")
+    except Exception as e:  # noqa: BLE001 (any bug of the report's; the run's own files are intact)
+        print(f"\nwarning: report.html not written: {type(e).__name__}: {e}", flush=True)
+
+
 def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
     """Load adapter, optimizer, scheduler and RNG states of the latest intact checkpoint (or the one named):
     (step, beta, run id). Damaged checkpoints passed over are reported; a checkpoint of another run than the
@@ -1053,6 +1064,7 @@ def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     summary = logs.run_summary(records, seconds)
     with checkpoints.writing(out, out / "run.json"):
         checkpoints.mark_finished(out)
+    write_report(out)  # after run.json: it shows the run finished
     print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
     return summary
 
@@ -1163,6 +1175,8 @@ def train_loop(
             halt = halt_reason(stop, bad_in_a_row, args)
             if log is not None and (step % args.save_every == 0 or step == args.steps or halt):
                 save(out / f"checkpoint-{step:06d}", run, step, beta, run_id, args)
+                if step < args.steps or halt:  # the last step's report: `finish` writes it, after the adapter
+                    write_report(out)
             if halt:
                 distributed.barrier()  # every rank exits only once rank 0's checkpoint is written
                 message = f"stopped after step {step} ({halt}); checkpoint written. Continue with: "
