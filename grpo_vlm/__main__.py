@@ -12,7 +12,8 @@ from grpo_vlm import cli, distributed, train
 
 if __name__ == "__main__":
     try:
-        cli.run(lambda argv: train.main(train.command_line(argv), train.typed_flags(argv)), sys.argv[1:])
+        command = lambda argv: train.main(train.command_line(argv), train.typed_flags(argv), argv)
+        cli.run(command, sys.argv[1:])
     except SystemExit as e:
         code = e.code
     except Exception:  # noqa: BLE001 (a bug: its traceback, exit 1, as Python would)

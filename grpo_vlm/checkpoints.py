@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import io
 import json
@@ -602,13 +603,23 @@ def removal_plan(out: Path, paths: list[Path]) -> list[tuple[Path, bool]]:
 
 
 def open_run_folder(
-    out: Path, mode: str, run_id: str, start_step: int, config: dict, plugin_files: list[dict] | None = None
+    out: Path,
+    mode: str,
+    run_id: str,
+    start_step: int,
+    config: dict,
+    plugin_files: list[dict] | None = None,
+    command: str | None = None,
 ) -> str | None:
     """The first write of a run (`mode` from check_run_folder): remove the replaced run's own files, or trim
     the logs of the resumed run to its checkpoint; then run.json records the run that owns the folder, its
-    settings (a resumed run's current ones) and, given, its plug-ins' files (plugins.plugin_records). Returns
-    a line naming what was removed and what else the folder holds (None: nothing removed)."""
-    removed, kept = [], []
+    settings (a resumed run's current ones), given, its plug-ins' files (plugins.plugin_records), and its
+    "starts": each start's UTC time, step and `command` (None: called from Python), a resumed run's earlier
+    ones first. Returns a line naming what was removed and what else the folder holds (None: nothing
+    removed)."""
+    removed, kept, starts = [], [], []
+    if mode == "resume" and (record := read_run_record(out)) is not None:
+        starts = record.get("starts") if isinstance(record.get("starts"), list) else []
     if mode == "replace" and (record := read_run_record(out)) is not None:
         removed, kept = run_files(out, record["run_id"])
         for path, is_folder in removal_plan(out, removed):
@@ -621,7 +632,9 @@ def open_run_folder(
             trim_jsonl(out / name, start_step)
     # NOTE: "finished" turns true only at the run's real end (`mark_finished`): a process a plug-in ended
     # with os._exit(0), whose exit status says success, leaves it false.
-    record = {"run_id": run_id, "args": config, "finished": False}
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    starts = [*starts, {"at": now, "from_step": start_step, "command": command}]
+    record = {"run_id": run_id, "args": config, "finished": False, "starts": starts}
     record = json.dumps(
         record | ({} if plugin_files is None else {"plugins": plugin_files}), indent=2, ensure_ascii=False
     )
@@ -632,10 +645,11 @@ def open_run_folder(
     return f"replaced the previous run: removed {', '.join(p.name for p in removed)}{left}"
 
 
-def mark_finished(out: Path) -> None:
-    """run.json's "finished": true, the last write of a run that trained every step and wrote its adapter."""
+def mark_finished(out: Path, summary: dict | None = None) -> None:
+    """run.json's "finished": true (and the last start's `summary`: steps, wall time, accuracy), the last
+    write of a run that trained every step and wrote its adapter."""
     record = read_run_record(out)
-    text = json.dumps({**record, "finished": True}, indent=2, ensure_ascii=False)
+    text = json.dumps({**record, "finished": True, "summary": summary}, indent=2, ensure_ascii=False)
     files.atomic_write(out / "run.json", text.encode() + b"\n")
 
 

@@ -122,6 +122,13 @@ function lightbox(entry) {
 }
 
 // --- the run ----------------------------------------------------------------------------------------------
+// Each start of the run (run.json "starts": a resumed run has several): its time, step and command line.
+function commands(starts) {
+  if (!starts.length) return "not recorded (a run folder of an earlier version)";
+  return starts.map(s => el("div", {}, el("code", {}, s.command || "(started from Python, not the command line)"),
+    ` · ${s.at || "?"}, from step ${s.from_step ?? "?"}`));
+}
+
 function runSection() {
   const run = data.run;
   const progress = run.steps ? el("progress", { max: run.steps, value: Math.max(0, run.last_step || 0) }) : null;
@@ -131,8 +138,11 @@ function runSection() {
     ["run folder", run.path],
     ["run id", run.run_id || "unknown (no run.json)"],
     ["status", [status, " · ", `step ${run.last_step ?? "–"} of ${run.steps ?? "?"}`, " ", progress]],
+    ["command", commands(run.starts)],
     ["model", run.model || "unknown"],
     ["data", Object.entries(run.data).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join("  ")],
+    ["wall time", run.summary && typeof run.summary.wall_time_s === "number"
+      ? `${duration(run.summary.wall_time_s)} (the last start, to its end)` : "– (the run has not finished)"],
     ["time in steps", `${duration(run.step_seconds)} (timings.jsonl: sampling and updates, evaluation not included)`],
     ["last line logged", run.last_write ? new Date(run.last_write * 1000).toLocaleString() : "–"],
     ["held-out accuracy", evals || "no evaluation logged"],

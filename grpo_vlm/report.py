@@ -494,7 +494,9 @@ def run_view(run_dir: Path, run: dict, records: list[dict], problems: list[str])
         "finished": run.get("finished"),
         "settings": flat,
         "model": flat.get("--model"),
-        "data": {k: flat[k] for k in DATA_FLAGS if k in flat},
+        "data": {k: flat[k] for k in DATA_FLAGS if flat.get(k) not in (None, [], "")},
+        "starts": [s for s in run.get("starts") or [] if isinstance(s, dict)],  # each start's time, command
+        "summary": run.get("summary") if isinstance(run.get("summary"), dict) else None,
         "steps": flat.get("--steps"),
         "last_step": max((r["step"] for r in records), default=None),
         "step_seconds": step_seconds,

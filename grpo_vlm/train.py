@@ -30,10 +30,11 @@ import functools
 import importlib.util
 import json
 import math
+import shlex
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -1063,7 +1064,7 @@ def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
         logs.plot_curves(records, out / "curves.png")
     summary = logs.run_summary(records, seconds)
     with checkpoints.writing(out, out / "run.json"):
-        checkpoints.mark_finished(out)
+        checkpoints.mark_finished(out, summary)
     write_report(out)  # after run.json: it shows the run finished
     print(f"done: {json.dumps(summary)}; adapter in {out / 'adapter'}, curves in {out / 'curves.png'}")
     return summary
@@ -1187,12 +1188,12 @@ def train_loop(
     return finish(run, args, out, time.time() - log.t_start) if log is not None else {}
 
 
-def main(args: Args, typed: Collection[str] = ()) -> dict:
+def main(args: Args, typed: Collection[str] = (), argv: Sequence[str] | None = None) -> dict:
     """Train; returns the summary. Bad flags, files or data raise cli.UsageError before anything is written;
     a signal stops cleanly (cli.Stopped): before the first write with nothing left behind, later after the
     current step (at once while a reward function runs) and a checkpoint. `typed`: the flags given on the
     command line (`typed_flags`); with --resume, the plug-ins of --reward or --tools typed again are
-    accepted as their files are now."""
+    accepted as their files are now. `argv`: the command line's arguments, which run.json records."""
     with cli.signals() as stop, contextlib.ExitStack() as held:  # a plug-in's call is abortable: cli.Signals
         check_args(args)
         if args.deterministic:  # before CUDA starts: cuBLAS reads its workspace setting once
@@ -1233,7 +1234,10 @@ def main(args: Args, typed: Collection[str] = ()) -> dict:
         log = None
         if writer:
             with cli.user_errors():  # a run file that is a FIFO or folder; a tracker that cannot start
-                replaced = checkpoints.open_run_folder(out, mode, run_id, start_step, settings, plugin_files)
+                command = None if argv is None else shlex.join(["python", "-m", "grpo_vlm", *argv])
+                replaced = checkpoints.open_run_folder(
+                    out, mode, run_id, start_step, settings, plugin_files, command=command
+                )
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
             print_if(replaced is not None, replaced)
             accuracy = (first or {}).get("eval/accuracy")

@@ -296,6 +296,9 @@ def test_rollouts_jsonl_keeps_every_completion_with_its_rewards_and_is_trimmed_o
         "advantage",
         "length",
         "truncated",
+        "prompt",
+        "target",
+        "thumbs",
     ]
     assert set(first["rewards"]) == {"label", "format"} and first["images"]
     assert all(1 <= r["length"] <= 8 for r in rows)

@@ -361,3 +361,21 @@ def test_a_report_that_cannot_be_built_does_not_stop_the_run(tmp_path, monkeypat
 
 def test_the_report_is_a_file_of_the_run(tmp_path):
     assert "report.html" in checkpoints.RUN_FILES  # --overwrite removes it with the run
+
+
+def test_run_json_records_each_start_with_its_command_and_the_report_shows_them(tmp_path):
+    folder = tmp_path / "run"
+    flags = dict(output_dir=str(folder), device="cpu", train_size=8, eval_size=4, batch_size=2, group_size=2)
+    flags |= dict(max_new_tokens=8, eval_every=1, seed=0)
+    train.main(train_args(**flags, steps=2), (), ["--steps", "2", "--output-dir", str(folder)])
+    again = ["--resume", str(folder), "--steps", "3"]
+    train.main(train_args(**flags | dict(output_dir=None), steps=3, resume=str(folder)), {"--steps"}, again)
+    record = json.loads((folder / "run.json").read_text())
+    starts = record["starts"]
+    assert [s["from_step"] for s in starts] == [0, 2]
+    assert starts[0]["command"] == f"python -m grpo_vlm --steps 2 --output-dir {folder}"
+    assert starts[1]["command"] == f"python -m grpo_vlm --resume {folder} --steps 3"
+    assert record["finished"] is True and record["summary"]["steps"] == 3
+    assert record["summary"]["wall_time_s"] > 0
+    data = embedded((folder / "report.html").read_text())
+    assert data["run"]["starts"] == starts and data["run"]["summary"] == record["summary"]

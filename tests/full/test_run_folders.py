@@ -147,7 +147,11 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
     assert steps_of(out / "metrics.jsonl") == [0, 1, 2, 3, 4]
     assert steps_of(out / "rollouts.jsonl") == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4  # B * G = 4 each
     recorded["args"]["steps"] = 4
-    assert json.loads((out / "run.json").read_text()) == recorded  # unchanged but for --steps
+    now = json.loads((out / "run.json").read_text())
+    started, summary = now.pop("starts"), now.pop("summary")
+    assert now == {k: v for k, v in recorded.items() if k not in ("starts", "summary")}  # but for --steps
+    assert started[0] == recorded["starts"][0] and started[1]["from_step"] == 2 and summary["steps"] == 4
+    assert started[1]["command"] == f"python -m grpo_vlm --resume {out} --steps 4"
 
     before = tree_digest(out)
     capsys.readouterr()
