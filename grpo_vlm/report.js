@@ -245,7 +245,7 @@ function groupCard(step, group) {
   const heads = ["#", "completion", "reward", ...COMPONENTS, "advantage", "length", "truncated"];
   const rows = group.rows.map((row, i) => {
     const [t, reward, adv, length, truncated, comps, extras] = row;
-    const swatch = extras && extras.boxes ? el("span", { class: "swatch", style: `background:${PALETTE[i % PALETTE.length]}` }) : null;
+    const swatch = extras && extras.boxes && extras.boxes.length ? el("span", { class: "swatch", style: `background:${PALETTE[i % PALETTE.length]}` }) : null;
     const completion = el("td", { class: "completion" }, el("pre", {}, text(t)),
       extras && extras.turns ? el("details", {}, el("summary", {}, `${extras.turns.length} turns`), turnsView(extras.turns)) : null);
     return el("tr", { class: [isRight(row) ? "right" : "wrong", rowPasses(row) ? "" : "filtered"].join(" "), "data-row": i },
@@ -363,7 +363,7 @@ function answerView(answer, step, colour) {
   if (!answer) return el("div", { class: "answer" }, note(`not evaluated at step ${step}`));
   const mark = answer.correct ? el("span", { class: "badge ok" }, "✓ right") : el("span", { class: "badge bad" }, "✗ wrong");
   const parts = Object.entries(answer.rewards).map(([k, v]) => `${k} ${fmt(v)}`).join(" · ");
-  return el("div", { class: "answer" }, el("div", { class: "label" }, `step ${step} `, mark, answer.boxes ? el("span", { class: "swatch", style: `background:${colour}` }) : null),
+  return el("div", { class: "answer" }, el("div", { class: "label" }, `step ${step} `, mark, answer.boxes && answer.boxes.length ? el("span", { class: "swatch", style: `background:${colour}` }) : null),
     el("pre", {}, text(answer.completion)),
     el("div", { class: "small" }, `reward ${fmt(answer.reward)} (${parts}) · ${answer.length ?? "–"} tokens${answer.truncated ? " · truncated" : ""}`),
     answer.turns ? el("details", {}, el("summary", {}, `${answer.turns.length} turns`), turnsView(answer.turns)) : null);

@@ -4,11 +4,11 @@
     python -m grpo_vlm.report runs/grpo                  # writes ./report-grpo.html and prints its path
     python -m grpo_vlm.report runs/grpo --out runs/grpo/report.html
 
-It shows the run (settings as flags, model, data, time, progress), the curves, the rollouts of every logged
-step (each group's images, prompt, target and G completions with reward, components, advantage, length,
-truncation; boxes drawn on grounding samples; each tool call's turn) with filters and a text search, and the
-held-out samples of the first and the latest evaluation side by side. The trainer writes RUN_DIR/report.html
-at each checkpoint and at the end (train.py).
+It shows the run (each start's command line, settings as flags, model, data, time, progress), the curves,
+the rollouts of every logged step (each group's images, prompt, target and G completions with reward,
+components, advantage, length, truncation; boxes drawn on grounding samples; each tool call's turn) with
+filters and a text search, and the held-out samples of the first and the latest evaluation side by side.
+The trainer writes RUN_DIR/report.html at each checkpoint and at the end (train.py).
 
 Legend: `G` completions per prompt (a group), a row is one completion; a group's reward spread is zero when
 its G rewards are equal (every advantage is 0: no learning signal).
@@ -33,9 +33,9 @@ Choices:
 - Bounded: at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows, spread evenly over the run with the
   first and last included (the page names the steps left out); texts cut at MAX_TEXT characters; images read
   only from the run's thumbs/ folder, at most MAX_IMAGE_BYTES each and MAX_IMAGES_BYTES in all (beyond, a
-  placeholder says so). The report of a default 100-step run (B = 16, G = 8, every step logged, a 56-px
-  picture per group) is 8.5 MB; a run with photos embeds 256-px thumbnails and larger -seen images, and
-  its report grows with them, up to the MAX_IMAGES_BYTES bound.
+  placeholder says so). The report of the default 100-step run (B = 16, G = 8, every step logged, 860
+  distinct 56-px pictures) is 5.7 MB; a run with photos embeds 256-px thumbnails and larger -seen images,
+  and its report grows with them, up to the MAX_IMAGES_BYTES bound.
 """
 
 from __future__ import annotations

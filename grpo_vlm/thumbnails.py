@@ -44,11 +44,9 @@ FOLDER = "thumbs"
 THUMB_SIDE = 256  # pixels, longest side: a report's grid of samples, not a viewer
 SEEN_SIDE = 1536  # pixels, longest side of the "seen" copy: a 4-megapixel budget stays under ~1 MB a file
 THUMB_QUALITY, SEEN_QUALITY = 85, 90
-KEPT_ERRORS = (
-    OSError,
-    ValueError,
-)  # a moved, unreadable or undecodable file (PIL.UnidentifiedImageError is an
-# OSError; data.load_image turns its own into a ValueError naming the image)
+# A moved, unreadable or undecodable file: PIL.UnidentifiedImageError is an OSError, and data.load_image
+# turns its own errors into a ValueError naming the image.
+KEPT_ERRORS = (OSError, ValueError)
 
 
 @dataclass

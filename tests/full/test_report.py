@@ -274,6 +274,12 @@ def snapshot(folder: Path) -> dict:
     return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def report_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python -m grpo_vlm.report ARGV...` run in `cwd`."""
+    command = [sys.executable, "-m", "grpo_vlm.report", *argv]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
+
+
 def test_a_report_of_a_folder_a_live_run_holds_changes_nothing_in_it(tmp_path):
     folder = write_run_folder(tmp_path / "run")
     with checkpoints.run_folder_lock(folder, hold=True):  # the run's lock, held as a live run holds it
@@ -282,14 +288,7 @@ def test_a_report_of_a_folder_a_live_run_holds_changes_nothing_in_it(tmp_path):
         before = snapshot(folder)
         elsewhere = tmp_path / "cwd"
         elsewhere.mkdir()
-        result = subprocess.run(
-            [sys.executable, "-m", "grpo_vlm.report", str(folder)],
-            cwd=elsewhere,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        result = report_command(str(folder), cwd=elsewhere)
         assert result.returncode == 0, result.stderr
         assert snapshot(folder) == before  # no byte, no modification time, no new file
     written = elsewhere / "report-run.html"
@@ -301,13 +300,7 @@ def test_out_writes_where_it_says(tmp_path):
     folder = write_run_folder(tmp_path / "run")
     dest = tmp_path / "sub" / "r.html"
     dest.parent.mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_vlm.report", str(folder), "--out", str(dest)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = report_command(str(folder), "--out", str(dest), cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == str(dest)
     assert embedded(dest.read_text())["run"]["folder"] == "run"
 
@@ -319,14 +312,7 @@ def test_a_bad_run_folder_is_one_line_and_exit_2(tmp_path, kind):
         (target / "x").mkdir(parents=True)
     if kind == "a file":
         target.write_text("x")
-    result = subprocess.run(
-        [sys.executable, "-m", "grpo_vlm.report", str(target)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = report_command(str(target), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and str(target) in result.stderr
     assert list(tmp_path.glob("report-*")) == []

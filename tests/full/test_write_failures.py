@@ -159,13 +159,14 @@ def mount_tmpfs(folder: Path, size: str) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 600 KB tmpfs: room for one checkpoint of the tiny model (about 540 KB) and the logs, not two."""
+    """A 900 KB tmpfs: room for one checkpoint of the tiny model (about 540 KB), the logs, thumbnails and
+    report.html (about 300 KB at step 2), not for a second checkpoint."""
     folder = tmp_path / "disk"
     folder.mkdir()
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root on Linux")
     try:
-        mount_tmpfs(folder, "600k")
+        mount_tmpfs(folder, "900k")
     except (subprocess.CalledProcessError, OSError) as e:
         pytest.skip(f"this machine does not let a test mount a tmpfs ({e})")
     yield folder
