@@ -614,9 +614,9 @@ def open_run_folder(
     """The first write of a run (`mode` from check_run_folder): remove the replaced run's own files, or trim
     the logs of the resumed run to its checkpoint; then run.json records the run that owns the folder, its
     settings (a resumed run's current ones), given, its plug-ins' files (plugins.plugin_records), and its
-    "starts": each start's UTC time, step and `command` (None: called from Python), a resumed run's earlier
-    ones first. Returns a line naming what was removed and what else the folder holds (None: nothing
-    removed)."""
+    "starts": each start's UTC time, step and `command` (None: not from the command line), a resumed run's
+    earlier ones first. Returns a line naming what was removed and what else the folder holds (None:
+    nothing removed)."""
     removed, kept, starts = [], [], []
     if mode == "resume" and (record := read_run_record(out)) is not None:
         starts = record.get("starts") if isinstance(record.get("starts"), list) else []

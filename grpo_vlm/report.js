@@ -125,7 +125,7 @@ function lightbox(entry) {
 // Each start of the run (run.json "starts": a resumed run has several): its time, step and command line.
 function commands(starts) {
   if (!starts.length) return "not recorded (a run folder of an earlier version)";
-  return starts.map(s => el("div", {}, el("code", {}, s.command || "(started from Python, not the command line)"),
+  return starts.map(s => el("div", {}, el("code", {}, s.command || "(not recorded: started from Python or a script)"),
     ` · ${s.at || "?"}, from step ${s.from_step ?? "?"}`));
 }
 
