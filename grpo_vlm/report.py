@@ -251,6 +251,9 @@ def image_entries(record: dict, images: Images) -> list[dict]:
             entries.append(entry | {"why": f"not kept: {cut(thumb['error'])}"})
             continue
         for key, name in (("t", "thumb"), ("s", "seen")):
+            if name == "seen" and thumb.get("seen", "") is None:  # the run's budget left it out: no problem
+                entry[key] = None
+                continue
             number = images.add(thumb.get(name))
             entry[key] = number if isinstance(number, int) else None
             if isinstance(number, str):

@@ -6,10 +6,10 @@ beside the pictures the model saw: a small thumbnail and the image at the size t
                            merge_size, 28 for Qwen2.5-VL), resampled with its filter; longest side capped at
                            SEEN_SIDE, so that a huge pixel budget does not fill the disk; JPEG quality 90
 
-A record's "thumbs" entry per image: {"thumb", "seen", "size": [w, h] original, "seen_size": [w', h']}, or
-{"error": "<one line>"} for an image that cannot be kept (a file moved or unreadable since the run checked
-it): the record is still written, the error is its visible outcome. A tool call's returned crop gets
-"thumb" (or "thumb_error") in its record's "images" entry.
+A record's "thumbs" entry per image: {"thumb", "seen" (None past SEEN_BYTES), "size": [w, h] original,
+"seen_size": [w', h']}, or {"error": "<one line>"} for an image that cannot be kept (a file moved or
+unreadable since the run checked it): the record is still written, the error is its visible outcome. A tool
+call's returned crop gets "thumb" (or "thumb_error") in its record's "images" entry.
 
 Choices:
 - `<key>`: the first 16 hex digits of SHA-256 over f"{w}x{h}" and the decoded RGB pixels, so the same picture
@@ -43,6 +43,10 @@ from grpo_vlm import dataset, files
 FOLDER = "thumbs"
 THUMB_SIDE = 256  # pixels, longest side: a report's grid of samples, not a viewer
 SEEN_SIDE = 1536  # pixels, longest side of the "seen" copy: a 4-megapixel budget stays under ~1 MB a file
+# Bytes of -seen files one rank keeps per start: a photo run logs new pictures every step (8 a step of
+# ~200 KB each: 1.6 GB over 1,000 steps), and a report embeds at most 64 MB of images anyway. Past it a
+# picture keeps its thumbnail, and its entry's "seen" is None.
+SEEN_BYTES = 256 << 20
 THUMB_QUALITY, SEEN_QUALITY = 85, 90
 # A moved, unreadable or undecodable file: PIL.UnidentifiedImageError is an OSError, and data.load_image
 # turns its own errors into a ValueError naming the image.
@@ -54,9 +58,10 @@ class Kept:
     """What this rank has handed to the writing rank so far (for the whole run, in memory)."""
 
     names: set[str] = field(default_factory=set)  # thumbs/ file names whose JPEG went to the writer
-    by_file: dict[tuple[str, int, int], dict] = field(
-        default_factory=dict
-    )  # (path, mtime_ns, bytes) -> entry
+    # (path, mtime_ns, bytes) -> entry: a file seen before and unchanged is not decoded again
+    by_file: dict[tuple[str, int, int], dict] = field(default_factory=dict)
+    seen_bytes: int = 0  # of the -seen files handed on (on a resumed run's rank 0: those in the folder too)
+    unseen: set[str] = field(default_factory=set)  # keys whose -seen file the budget left out
 
 
 def image_key(image: Image.Image) -> str:
@@ -92,9 +97,15 @@ def encode(image: Image.Image, key: str, image_processor, out: dict[str, bytes])
     return entry(key, image.size, (w, h))
 
 
-def entry(key: str, size: tuple[int, int], seen: tuple[int, int]) -> dict:
-    thumb, seen_file = f"{FOLDER}/{key}.jpg", f"{FOLDER}/{key}-seen.jpg"
+def entry(key: str, size: tuple[int, int], seen: tuple[int, int], kept_seen: bool = True) -> dict:
+    thumb, seen_file = f"{FOLDER}/{key}.jpg", f"{FOLDER}/{key}-seen.jpg" if kept_seen else None
     return {"thumb": thumb, "seen": seen_file, "size": list(size), "seen_size": list(seen)}
+
+
+def seen_bytes_in(out: Path) -> int:
+    """Bytes of the -seen files a run folder holds already (a resumed run's budget starts from them)."""
+    folder = Path(out) / FOLDER
+    return sum(p.stat().st_size for p in folder.glob("*-seen.jpg")) if folder.is_dir() else 0
 
 
 def one_line(error: Exception) -> str:
@@ -153,11 +164,19 @@ def kept_image(
     except KEPT_ERRORS as e:
         return {"error": one_line(e)}
     key = image_key(decoded)
-    if {f"{key}.jpg", f"{key}-seen.jpg"} <= kept.names:
-        made = entry(key, decoded.size, seen_size(image_processor, decoded.size))
+    thumb, seen = f"{key}.jpg", f"{key}-seen.jpg"
+    if thumb in kept.names and (seen in kept.names or key in kept.unseen):  # handed on before
+        made = entry(key, decoded.size, seen_size(image_processor, decoded.size), key not in kept.unseen)
     else:
         made = encode(decoded, key, image_processor, out)
-        kept.names.update((f"{key}.jpg", f"{key}-seen.jpg"))
+        kept.names.add(thumb)
+        if kept.seen_bytes + len(out[seen]) > SEEN_BYTES:  # NOTE: over the budget: the thumbnail only
+            del out[seen]
+            kept.unseen.add(key)
+            made["seen"] = None
+        else:
+            kept.seen_bytes += len(out[seen])
+            kept.names.add(seen)
     if stamp is not None:
         kept.by_file[stamp] = made
     return dict(made)

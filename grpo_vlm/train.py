@@ -1238,6 +1238,8 @@ def main(args: Args, typed: Collection[str] = (), argv: Sequence[str] | None = N
                 replaced = checkpoints.open_run_folder(
                     out, mode, run_id, start_step, settings, plugin_files, command=command
                 )
+                if mode == "resume":  # the -seen images' budget counts what the earlier starts kept
+                    run.kept.seen_bytes = thumbnails.seen_bytes_in(out)
                 tracker = trackers.open_tracker(args.report_to, out, settings, run_name=out.name)
             print_if(replaced is not None, replaced)
             accuracy = (first or {}).get("eval/accuracy")

@@ -256,6 +256,22 @@ def test_damaged_lines_and_a_missing_thumbnail_are_said_inline(tmp_path):
     assert [s["step"] for s in data["rollouts"]["steps"]] == [1, 2, 3]  # everything else still shown
 
 
+def test_a_picture_the_runs_seen_budget_left_without_its_seen_copy_shows_its_thumbnail_and_no_problem(
+    tmp_path,
+):
+    folder = write_run_folder(tmp_path / "run", steps=1)
+    records = jsonl(folder / "rollouts.jsonl")
+    for record in records:
+        record["thumbs"] = [
+            dict(t, seen=None) for t in record["thumbs"]
+        ]  # as thumbnails.keep past its budget
+    (folder / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = embedded(report.build_report(folder))
+    entries = [e for g in data["rollouts"]["steps"][0]["groups"] for e in g["images"]]
+    assert entries and all(isinstance(e["t"], int) and e["s"] is None and "why" not in e for e in entries)
+    assert not any("thumbs/" in p for p in data["problems"])
+
+
 def test_a_folder_from_an_earlier_version_shows_what_it_has(tmp_path):
     folder = tmp_path / "old"
     folder.mkdir()

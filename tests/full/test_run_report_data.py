@@ -152,6 +152,40 @@ def test_the_same_picture_twice_or_at_two_paths_is_kept_once_and_handed_on_once(
     assert again == thumbs and made == {}
 
 
+def test_past_the_seen_budget_a_picture_keeps_its_thumbnail_and_no_seen_copy(
+    tmp_path, image_processor, monkeypatch
+):
+    pictures = [photo((300, 200), seed) for seed in range(3)]
+    first = thumbnails.keep([{"images": pictures[:1]}], image_processor, thumbnails.Kept())[2]
+    one_seen = len(first[f"{thumbnails.image_key(pictures[0])}-seen.jpg"])
+    monkeypatch.setattr(thumbnails, "SEEN_BYTES", one_seen)  # room for the first picture's -seen file only
+    kept = thumbnails.Kept()
+    (entries,), _, made = thumbnails.keep([{"images": pictures}], image_processor, kept)
+    keys = [thumbnails.image_key(p) for p in pictures]
+    assert [e["seen"] for e in entries] == [f"thumbs/{keys[0]}-seen.jpg", None, None]
+    assert [e["thumb"] for e in entries] == [f"thumbs/{k}.jpg" for k in keys]  # every thumbnail kept
+    assert sorted(made) == sorted([f"{k}.jpg" for k in keys] + [f"{keys[0]}-seen.jpg"])
+    assert kept.seen_bytes == one_seen
+    again, _, made = thumbnails.keep([{"images": pictures}], image_processor, kept)  # a later step
+    assert again == [entries] and made == {}
+    thumbnails.write(tmp_path, first)
+    assert thumbnails.seen_bytes_in(tmp_path) == one_seen  # what a resumed run's budget starts from
+
+
+def test_a_resumed_run_counts_the_seen_files_already_in_its_folder(tmp_path, monkeypatch):
+    flags = dict(SMALL, steps=2, eval_size=0, save_every=1, log_completions_every=1)
+    out = tmp_path / "run"
+    train.main(train_args(output_dir=str(out), **dict(flags, steps=1)))
+    monkeypatch.setattr(thumbnails, "SEEN_BYTES", thumbnails.seen_bytes_in(out))  # spent by step 1
+    train.main(train_args(output_dir=str(out), resume=str(out), **flags))
+    step_2 = [r for r in lines(out / "rollouts.jsonl") if r["step"] == 2]
+    new = [
+        e for r in step_2 for e in r["thumbs"] if not (out / e["thumb"].replace(".jpg", "-seen.jpg")).exists()
+    ]
+    assert new and all(e["seen"] is None for e in new)  # step 2's new pictures: thumbnails only
+    assert all((out / e["thumb"]).is_file() for r in step_2 for e in r["thumbs"])
+
+
 # --- grounding and tools -----------------------------------------------------------------------------------
 
 
