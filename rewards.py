@@ -1,10 +1,11 @@
 """Rewards for GRPO: plain functions `fn(completion, sample) -> float`, `score` to combine them, plug-ins.
 
-Built-ins (`BUILTIN_REWARDS`): label, format, exact_match, answer_match, numeric_match, think_answer_format
-(1.0 or 0.0) and overlong (DAPO's soft penalty, <= 0). `sample` is the dataset's dict: a malformed completion
-earns 0, malformed ground truth raises ValueError (a silent 0 would hide a broken dataset), found when the
-data loads (`check_needs`). `score`: sum(weight * value), but 0 where a gate reward is <= 0 (no credit for a
-right verdict in a broken format). Plug-ins: `module:function`, `path/to/file.py:function`. Stdlib only.
+Built-ins (`BUILTIN_REWARDS`, each 1.0 or 0.0): label, format, exact_match, answer_match, numeric_match,
+think_answer_format. `sample` is the dataset's dict: a malformed completion earns 0, malformed ground truth
+raises ValueError (a silent 0 would hide a broken dataset), found when the data loads (`check_needs`).
+`score`: sum(weight * value), but 0 where a gate reward is <= 0 (no credit for a right verdict in a broken
+format); a reward with a keyword-only `completion_length` gets the token count. Plug-ins: `module:function`,
+`path/to/file.py:function`. Stdlib only.
 """
 
 import dataclasses
@@ -128,21 +129,6 @@ def think_answer_format(completion: str, sample: Mapping[str, Any]) -> float:
     return float(m is not None and m.group(1).strip() != "" and m.group(2).strip() != "")
 
 
-def overlong_penalty(
-    completion: str, sample: Mapping[str, Any], *, completion_length: int, max_length: int, cache_length: int
-) -> float:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 up to L_max - L_cache,
-    then ((L_max - L_cache) - L) / L_cache, -1 beyond L_max (bind max_length, cache_length when loading)."""
-    if not 0 <= cache_length <= max_length:
-        raise ValueError(f"need 0 <= cache_length <= max_length, got {cache_length=} {max_length=}")
-    soft_limit = max_length - cache_length
-    if completion_length <= soft_limit:
-        return 0.0
-    if completion_length <= max_length:  # cache_length > 0 here, since soft_limit < L <= max_length
-        return (soft_limit - completion_length) / cache_length
-    return -1.0
-
-
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "label": label_reward,
     "format": format_reward,
@@ -150,7 +136,6 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "answer_match": answer_match,
     "numeric_match": numeric_match,
     "think_answer_format": think_answer_format,
-    "overlong": overlong_penalty,
 }
 
 
@@ -282,8 +267,8 @@ def import_plugin(module_spec: str, *, kind: str = "reward") -> Any:
 
 
 def load_reward(spec: str, *, builtins: Mapping[str, RewardFn] = BUILTIN_REWARDS, **bind: Any) -> RewardFn:
-    """A built-in by name (from `builtins`) or a plug-in, keyword arguments bound (`load_reward("overlong",
-    max_length=1024, cache_length=256)`). Every problem is a ValueError fit for a command line."""
+    """A built-in by name (from `builtins`) or a plug-in, keyword arguments bound
+    (`load_reward("numeric_match", rel_tol=0.01)`). Every problem is a ValueError fit for a command line."""
     if ":" not in spec:
         if spec not in builtins:
             plugin = "or give a plug-in as module:function or path/to/file.py:function"

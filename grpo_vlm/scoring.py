@@ -1,8 +1,9 @@
 """Scoring in the package's commands (python -m grpo_vlm, scripts/evaluate.py, scripts/score_rollouts.py):
 the reward flags (`RewardConfig`), every built-in by name, and user reward functions called safely.
 
-`BUILTIN_REWARDS` is the reference's (rewards.py), then tools.py's `tool_format`, then grounding.py's
-rewards. `score` is rewards.score with each call made by `call_reward`, through cli.call_plugin: under
+`BUILTIN_REWARDS` is the reference's (rewards.py), then tools.py's `tool_format`, grounding.py's rewards
+and DAPO's soft overlong penalty (`overlong_penalty`: its lengths bound by the caller). `score` is
+rewards.score with each call made by `call_reward`, through cli.call_plugin: under
 --reward-timeout, by SIGALRM (main thread only, on POSIX; the previous SIGALRM handler and timer come back
 after the call), and a call that took longer is a timeout whatever it returned (a bare `except:` around a
 slow call swallows the alarm, not the clock). A failure in the user's code carries `user_message`, the one
@@ -22,11 +23,28 @@ from typing import Any, Literal
 import rewards
 from grpo_vlm import cli, grounding, tools
 
-# --reward's names: the reference's built-ins, then the tools' and grounding's rewards.
+
+def overlong_penalty(
+    completion: str, sample: Mapping[str, Any], *, completion_length: int, max_length: int, cache_length: int
+) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) on the token count L: 0 up to L_max - L_cache,
+    then ((L_max - L_cache) - L) / L_cache, -1 beyond L_max (bind max_length, cache_length when loading)."""
+    if not 0 <= cache_length <= max_length:
+        raise ValueError(f"need 0 <= cache_length <= max_length, got {cache_length=} {max_length=}")
+    soft_limit = max_length - cache_length
+    if completion_length <= soft_limit:
+        return 0.0
+    if completion_length <= max_length:  # cache_length > 0 here, since soft_limit < L <= max_length
+        return (soft_limit - completion_length) / cache_length
+    return -1.0
+
+
+# --reward's names: the reference's built-ins, then the tools' and grounding's rewards, and DAPO's penalty.
 BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
     **rewards.BUILTIN_REWARDS,
     "tool_format": tools.tool_format,
     **grounding.REWARDS,
+    "overlong": overlong_penalty,
 }
 
 

@@ -15,7 +15,6 @@ from rewards import (
     label_reward,
     load_reward,
     numeric_match,
-    overlong_penalty,
     score,
     think_answer_format,
 )
@@ -226,34 +225,12 @@ def test_think_answer_format_rejects_anything_else(completion):
     assert think_answer_format(completion, {}) == 0.0
 
 
-# --- overlong ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "length, expected",
-    [(10, 0.0), (15, 0.0), (16, -0.2), (17, -0.4), (20, -1.0), (21, -1.0), (500, -1.0)],
-)
-def test_overlong_penalty_zero_then_ramp_then_minus_one(length, expected):
-    # max_length 20, cache 5: free up to 15 tokens, then (15 - L) / 5, then -1 past 20.
-    value = overlong_penalty("ignored", {}, completion_length=length, max_length=20, cache_length=5)
-    assert math.isclose(value, expected)
-
-
-def test_overlong_penalty_receives_token_counts_through_score():
-    fn = load_reward("overlong", max_length=20, cache_length=5)
-    scores = score(["a", "b", "c"], [{}] * 3, [Reward("overlong", fn)], completion_lengths=[3, 17, 40])
-    assert scores.components["overlong"] == pytest.approx([0.0, -0.4, -1.0])
-
-
-def test_overlong_without_bound_lengths_fails_at_load_time():
-    with pytest.raises(ValueError, match="bound when loading"):
-        load_reward("overlong")
-
-
 def test_score_requires_completion_lengths_for_length_rewards():
-    fn = functools.partial(overlong_penalty, max_length=20, cache_length=5)
+    def by_length(completion, sample, *, completion_length):
+        return float(completion_length)
+
     with pytest.raises(ValueError, match="completion_lengths"):
-        score(["a"], [{}], [Reward("overlong", fn)])
+        score(["a"], [{}], [Reward("len", by_length)])
 
 
 def test_score_passes_completion_length_only_to_rewards_that_declare_it():
@@ -352,7 +329,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 def test_builtin_names_resolve_to_builtin_functions():
     names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format"]
-    assert list(BUILTIN_REWARDS) == [*names, "overlong"]
+    assert list(BUILTIN_REWARDS) == names
     assert load_reward("label") is label_reward
 
 

@@ -1,6 +1,8 @@
 """Tests for grpo_vlm/scoring.py: the package's built-ins by name, the reward flags, and user reward functions
 called through rewards.score with one-line failures (time limits: test_input_checks.py)."""
 
+import functools
+import math
 import sys
 
 import pytest
@@ -11,7 +13,7 @@ from rewards import Reward, format_reward, label_reward
 
 
 def test_builtins_are_the_references_then_tool_format_then_groundings():
-    expected = [*rewards.BUILTIN_REWARDS, "tool_format", *grounding.REWARDS]
+    expected = [*rewards.BUILTIN_REWARDS, "tool_format", *grounding.REWARDS, "overlong"]
     assert list(scoring.BUILTIN_REWARDS) == expected
     assert scoring.BUILTIN_REWARDS["tool_format"] is tools.tool_format
 
@@ -80,3 +82,35 @@ def test_a_value_float32_cannot_hold_fails_with_its_message_as_the_one_line():
         scoring.score(["x"], [{}], [Reward("huge", lambda c, s: 1e39)])
     assert info.value.user_message == str(info.value)
     assert not hasattr(info.value, "__notes__")  # the value is wrong; the reward raised nothing
+
+
+# --- DAPO's overlong penalty ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "length, expected",
+    [(10, 0.0), (15, 0.0), (16, -0.2), (17, -0.4), (20, -1.0), (21, -1.0), (500, -1.0)],
+)
+def test_overlong_penalty_zero_then_ramp_then_minus_one(length, expected):
+    # max_length 20, cache 5: free up to 15 tokens, then (15 - L) / 5, then -1 past 20.
+    value = scoring.overlong_penalty("ignored", {}, completion_length=length, max_length=20, cache_length=5)
+    assert math.isclose(value, expected)
+
+
+def test_overlong_penalty_receives_token_counts_through_score():
+    fn = rewards.load_reward("overlong", builtins=scoring.BUILTIN_REWARDS, max_length=20, cache_length=5)
+    scores = rewards.score(
+        ["a", "b", "c"], [{}] * 3, [Reward("overlong", fn)], completion_lengths=[3, 17, 40]
+    )
+    assert scores.components["overlong"] == pytest.approx([0.0, -0.4, -1.0])
+
+
+def test_overlong_without_bound_lengths_fails_at_load_time():
+    with pytest.raises(ValueError, match="bound when loading"):
+        rewards.load_reward("overlong", builtins=scoring.BUILTIN_REWARDS)
+
+
+def test_a_bound_overlong_penalty_needs_completion_lengths():
+    fn = functools.partial(scoring.overlong_penalty, max_length=20, cache_length=5)
+    with pytest.raises(ValueError, match="completion_lengths"):
+        rewards.score(["a"], [{}], [Reward("overlong", fn)])
