@@ -30,10 +30,10 @@ def write_lines(path: Path, records: list) -> Path:
     return path
 
 
-def rollouts_and_prompts(folder: Path) -> tuple[Path, Path]:
-    prompts = write_lines(folder / "prompts.jsonl", PROMPTS)
-    rollouts = [{"prompt_id": p["prompt_id"], "text": f"通过\n理由: {k}"} for p in PROMPTS for k in range(2)]
-    return write_lines(folder / "rollouts.jsonl", rollouts), prompts
+def rollouts_and_prompts(folder: Path, prompts: list[dict] = PROMPTS) -> tuple[Path, Path]:
+    """prompts.jsonl and rollouts.jsonl in `folder`: two rollouts of each prompt."""
+    rollouts = [{"prompt_id": p["prompt_id"], "text": f"通过\n理由: {k}"} for p in prompts for k in range(2)]
+    return write_lines(folder / "rollouts.jsonl", rollouts), write_lines(folder / "prompts.jsonl", prompts)
 
 
 def run_script(script: str, *args, cwd=ROOT) -> subprocess.CompletedProcess:

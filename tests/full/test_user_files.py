@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from full.test_script_outputs import rollouts_and_prompts
+
 ROOT = Path(__file__).resolve().parents[2]
 EVALUATE = ["--device", "cpu", "--eval-size", "2", "--batch-size", "2", "--max-new-tokens", "4"]
 TRAIN = ["--device", "cpu", "--train-size", "4", "--eval-size", "0", "--batch-size", "2", "--group-size", "2"]
@@ -59,17 +61,6 @@ def digest(folder: Path) -> dict[str, str]:
     }
 
 
-def write_lines(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def rollouts_and_prompts(folder: Path) -> tuple[Path, Path]:
-    prompts = write_lines(folder / "prompts.jsonl", PROMPTS)
-    rollouts = [{"prompt_id": p["prompt_id"], "text": f"通过\n理由: {k}"} for p in PROMPTS for k in range(2)]
-    return write_lines(folder / "rollouts.jsonl", rollouts), prompts
-
-
 def photos_and_prompt(folder: Path) -> list:
     """The flags of summarize_photos.py for two groups of one photo each in `folder`."""
     for group in ("g1", "g2"):
@@ -110,7 +101,7 @@ def test_evaluate_with_overwrite_replaces_a_users_file_with_its_own_output(tmp_p
 
 
 def test_evaluate_refuses_the_output_of_another_script(tmp_path):
-    rollouts, prompts = rollouts_and_prompts(tmp_path)
+    rollouts, prompts = rollouts_and_prompts(tmp_path, PROMPTS)
     succeeded(script("score_rollouts.py", "--rollouts", rollouts, "--prompts", prompts, cwd=tmp_path))
     scored = tmp_path / "rollouts.scored.jsonl"
     before = digest(tmp_path)
@@ -130,7 +121,7 @@ def test_summarize_photos_refuses_to_continue_a_users_file_and_leaves_it_byte_id
 
 
 def test_score_rollouts_refuses_to_replace_a_users_file_unless_overwrite(tmp_path):
-    rollouts, prompts = rollouts_and_prompts(tmp_path)
+    rollouts, prompts = rollouts_and_prompts(tmp_path, PROMPTS)
     flags = ["--rollouts", rollouts, "--prompts", prompts]
     notes = tmp_path / "notes.jsonl"
     notes.write_bytes(USER_FILES["one line"])
@@ -145,7 +136,7 @@ def test_score_rollouts_refuses_to_replace_a_users_file_unless_overwrite(tmp_pat
 
 
 def test_score_rollouts_refuses_to_replace_a_users_report(tmp_path):
-    rollouts, prompts = rollouts_and_prompts(tmp_path)
+    rollouts, prompts = rollouts_and_prompts(tmp_path, PROMPTS)
     report = tmp_path / "notes.json"
     report.write_bytes(b'{"mine": true}\n')
     result = script(
@@ -191,7 +182,7 @@ def test_a_symlinked_summarize_photos_output_is_refused(tmp_path):
 
 
 def test_a_symlinked_score_rollouts_output_is_refused_and_overwrite_replaces_the_link(tmp_path):
-    rollouts, prompts = rollouts_and_prompts(tmp_path)
+    rollouts, prompts = rollouts_and_prompts(tmp_path, PROMPTS)
     flags = ["--rollouts", rollouts, "--prompts", prompts]
     target, link = tmp_path / "notes.jsonl", tmp_path / "out.jsonl"
     target.write_bytes(USER_FILES["one line"])
@@ -208,7 +199,7 @@ def test_a_symlinked_score_rollouts_output_is_refused_and_overwrite_replaces_the
 @pytest.mark.parametrize("tool", ["evaluate.py", "score_rollouts.py"])
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_a_lock_file_beside_an_output_that_is_a_symlink_or_fifo_is_refused(tmp_path, tool, kind):
-    rollouts, prompts = rollouts_and_prompts(tmp_path)
+    rollouts, prompts = rollouts_and_prompts(tmp_path, PROMPTS)
     output = tmp_path / "out.jsonl"
     lock, target = tmp_path / ".out.jsonl.lock", tmp_path / "mine.txt"
     target.write_bytes(b"precious\n")
