@@ -122,9 +122,8 @@ def keep(
     decoded: dict[Any, Image.Image | Exception] = {}  # image reference -> decoded RGB image or its error
     entries: dict[Any, dict] = {}  # image reference -> its entry: each image hashed once per call
 
-    def reference_of(
-        image: Any,
-    ) -> Any:  # NOTE: id() is safe here: the samples hold their images till we return
+    # NOTE: id() is safe here: the samples hold their images till we return
+    def reference_of(image: Any) -> Any:
         return str(image) if isinstance(image, str | os.PathLike) else id(image)
 
     def load(image: Any, sample: dict) -> Image.Image:
