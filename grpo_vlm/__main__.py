@@ -8,11 +8,11 @@ import traceback
 if __name__ == "__main__":  # NOTE: a Ctrl-C while torch imports (~2 s) exits 130, with no traceback
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
-from grpo_vlm import cli, distributed, train
+from grpo_vlm import cli, distributed, trainer
 
 if __name__ == "__main__":
     try:
-        command = lambda argv: train.main(train.command_line(argv), train.typed_flags(argv), argv)
+        command = lambda argv: trainer.main(trainer.command_line(argv), trainer.typed_flags(argv), argv)
         cli.run(command, sys.argv[1:])
     except SystemExit as e:
         code = e.code

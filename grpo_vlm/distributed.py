@@ -1,6 +1,6 @@
 """torchrun: R processes, one per device, each on B whole prompt groups of a global batch of B*R; one update.
 
-Rank r samples and scores its slice (train.batch_for_step); a group stays on one rank, so advantages need no
+Rank r samples and scores its slice (trainer.step_prompts); a group stays on one rank, so advantages need no
 communication. Each rank divides its loss by the global batch's rows and tokens (`batch_counts`), so the SUM
 of the ranks' gradients (`all_reduce_gradients`) is one process's gradient on B*R prompts. No DDP: it would
 hide `generate` and the reference pass's adapters-off switch. With R = 1 there is no process group and each

@@ -16,7 +16,7 @@
   whole sequence so far, the N rows' fp32 pixels (the prompt's images and the tools', G copies of each
   prompt's) and one vision block's working set over them, as each turn re-encodes every image; nothing is
   recorded, the trunk is captured after sampling. Through the update the rows' pixels stay on the plain path
-  only (train.tool_rollout drops them under trunk reuse). T is the completion with the tool turns' tokens.
+  only (trainer.tool_rollout drops them under trunk reuse). T is the completion with the tool turns' tokens.
 `peak` is the largest phase. Every count is per token of n micro-batch rows x S = P + T - 1 positions, and
 assumes, as train.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
 decoder, trunk reuse, fused attention (SDPA's flash / memory-efficient kernels, which save q, k, v, the output
@@ -129,7 +129,7 @@ def estimate(
         rows_cache = N * (P + T) * L * 2 * kv * d  # no prompt cache shared by a group's rows
         sampling = 2 * rows_cache + N * (P + T) * 3 * I * d + draw + pixel_bytes(visual) + encoder
     # Each chunk's 4D boolean mask (n, 1, S, S) and mRoPE cos, sin (3, n, S, hd); pixels: each prompt's once
-    # when the chunks drop theirs after the trunk (train.Rollout.prompts), else every row's.
+    # when the chunks drop theirs after the trunk (trainer.Rollout.prompts), else every row's.
     pixels = pixel_bytes(
         N // group_size * image_tokens if trunk_reuse else N * (image_tokens + tool_image_tokens)
     )

@@ -63,7 +63,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, lora_config, speedups, tasks, train
+from grpo_vlm import cli, lora_config, speedups, tasks, trainer
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
 
@@ -223,7 +223,7 @@ def accumulate_policy_gradient(
     model,
     chunks: list[speedups.RowChunk],
     plan: speedups.Plan,
-    args: train.Args,
+    args: trainer.Args,
     *,
     adv: torch.Tensor,
     mask: torch.Tensor,
@@ -257,7 +257,7 @@ def accumulate_policy_gradient(
 
 
 def run_step(
-    model, optimizer, batch, tokenizer, args: train.Args, seed: int, record: StepRecord, *, plain: bool
+    model, optimizer, batch, tokenizer, args: trainer.Args, seed: int, record: StepRecord, *, plain: bool
 ) -> int:
     """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
     plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
@@ -285,7 +285,7 @@ def run_step(
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
         inputs = data.repeat_rows(batch, args.group_size).inputs  # (N, P) rows
         chunks = speedups.row_chunks(model, inputs, ids, recording, plan)
-        del inputs  # as in train.rollout: the rows' pixels stay only in chunks whose passes read them
+        del inputs  # as in trainer.rollout: the rows' pixels stay only in chunks whose passes read them
     old_logp = None
     options = dict(temperature=args.sampling.temperature)
     with record("reference/old"), torch.no_grad():
@@ -307,7 +307,7 @@ def run_step(
     return int(mask.sum())
 
 
-def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
+def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> trainer.Args:
     if plain:
         speed = speedups.SpeedConfig(shared_prefill=False, trunk_reuse=False)
     else:
@@ -317,7 +317,7 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> train.Args:
             gradient_checkpointing=checkpointing,
             cuda_graph=bench.cuda_graph,
         )
-    return train.Args(
+    return trainer.Args(
         batch_size=config.B,
         group_size=config.G,
         num_iterations=bench.num_iterations,

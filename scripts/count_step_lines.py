@@ -2,7 +2,7 @@
 
     python scripts/count_step_lines.py            # the reference, the full trainer's default and plain paths
 
-It runs the reference's `train.main`, then the full trainer's (`grpo_vlm.train.main`), for one step on the
+It runs the reference's `train.main`, then the full trainer's (`grpo_vlm.trainer.main`), for one step on the
 embedded tiny model and records, with `sys.setprofile`, every function of this project's modules (the six
 at the top and the package's) that is called while `train_step` runs (the rollout, the rewards, the update;
 evaluation, checkpoints and set-up are outside it). A function counts once, however often it runs.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import tyro
 
 import train
-from grpo_vlm import train as full
+from grpo_vlm import trainer as full
 
 PROJECT_FILES = {str(p) for p in [*ROOT.glob("*.py"), *ROOT.glob("grpo_vlm/*.py")]}
 

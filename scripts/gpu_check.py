@@ -72,8 +72,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import attention, cli, distributed, lora_config, memory, speedups
-from grpo_vlm import train as trainer
+from grpo_vlm import attention, cli, distributed, lora_config, memory, speedups, trainer
 
 # Qwen2.5-VL's public config.json numbers (memory.QWEN25_VL, shared with the estimate) with what a random
 # build needs beside them, and a tiny model of the kind: name -> (text config, vision config, first special
@@ -409,7 +408,7 @@ def check_step(
 
 def phase_clock(device: torch.device) -> tuple[Callable, dict[str, float], dict[str, tuple[int, int]]]:
     """(phase context manager, ms per phase, (peak allocated, peak reserved) bytes per phase: CUDA only,
-    reset per phase). On CUDA a phase is timed with device events (`grpo_vlm.train.clock`)."""
+    reset per phase). On CUDA a phase is timed with device events (`grpo_vlm.trainer.clock`)."""
     ms, peak, cuda = {}, {}, device.type == "cuda"
 
     @contextmanager

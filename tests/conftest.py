@@ -6,22 +6,19 @@ forward pass takes milliseconds on a CPU. Token ids 0-6 (the constants below) ar
 markers so that tests can build image prompts by hand.
 
 `make_random_model(family)` builds the same kind of tiny model for every family the README names (FAMILIES:
-Qwen2.5-VL, Qwen2-VL, Qwen3-VL with deepstack, Qwen2, Qwen3, Llama), and `save_random_checkpoint` saves one
-with the embedded tiny model's tokenizer (and image processor), for `train.main` (tests/test_families.py).
+Qwen2.5-VL, Qwen2-VL, Qwen3-VL with deepstack, Qwen2, Qwen3, Llama); the package's tests save them as
+checkpoints (full/conftest.py). Nothing here imports the package: the reference's tests run without it.
 
 Tests run torch on one thread: the models are tiny, and on a 2-core machine the per-op thread start-up of a
 multi-threaded matmul costs more than the matmul (the suite is several times faster this way).
 """
 
-import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import (
-    AutoImageProcessor,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -36,10 +33,6 @@ from transformers import (
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
-
-import lora
-import model_io
-from grpo_vlm import files
 
 torch.set_num_threads(1)
 # Child processes (`python -m grpo_vlm`, the scripts, test files run by torchrun) find the reference
@@ -182,20 +175,6 @@ def make_random_causal_lm(seed: int = 0, num_layers: int = 4) -> Qwen2ForCausalL
     return make_random_model("qwen2", seed=seed, num_layers=num_layers)
 
 
-def save_random_checkpoint(family: str, directory: Path, **text_config) -> Path:
-    """A tiny random model of `family` saved as `from_pretrained` reads it (files.save_model), with the
-    embedded tiny model's tokenizer and, for a VLM, its image processor: what `train.Args(model=...)` takes.
-    """
-
-    tokenizer = AutoTokenizer.from_pretrained(TINY_CHECKPOINT)
-    model = make_random_model(
-        family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **text_config
-    )
-    image_processor = AutoImageProcessor.from_pretrained(TINY_CHECKPOINT) if family in VLM_FAMILIES else None
-    files.save_model(model, tokenizer, image_processor, directory)
-    return Path(directory)
-
-
 @pytest.fixture
 def random_vlm() -> Qwen2_5_VLForConditionalGeneration:
     return make_random_vlm()
@@ -204,47 +183,3 @@ def random_vlm() -> Qwen2_5_VLForConditionalGeneration:
 @pytest.fixture
 def random_causal_lm() -> Qwen2ForCausalLM:
     return make_random_causal_lm()
-
-
-def make_run(model, args, **fields):
-    """A train.Run around `model` with the speed-up parts `args` asks for, as train.build_run makes it."""
-    from grpo_vlm import speedups, train
-
-    tokenizer = fields.get("tokenizer")
-    sampling = train.sampling_options(args, tokenizer) if tokenizer is not None else {}
-    plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
-    options = dict(sampling=sampling, speed=plan)
-    return train.Run(model=model, **options, **fields)
-
-
-def train_args(**flags):
-    """train.Args from flat flag names (`beta=0.1`, `micro_batch_size=4`), each handed to the settings group
-    that owns it, as the command line does (`--beta 0.1`)."""
-    from grpo_vlm import train
-
-    groups = {
-        f.name: f.default_factory
-        for f in dataclasses.fields(train.Args)
-        if f.default_factory is not dataclasses.MISSING
-    }
-    owner = {g.name: name for name, cls in groups.items() for g in dataclasses.fields(cls)}
-    nested = {
-        name: cls(**{k: v for k, v in flags.items() if owner.get(k) == name}) for name, cls in groups.items()
-    }
-    return train.Args(**{k: v for k, v in flags.items() if k not in owner}, **nested)
-
-
-def lora_model_with_gradients(checkpoint: Path = TINY_CHECKPOINT):
-    """A checkpoint with LoRA as `main` injects it, and B != 0 so that every A gets a gradient too:
-    (model, tokenizer, image_processor)."""
-    model, tokenizer, image_processor = model_io.load_model(
-        str(checkpoint), device="cpu", dtype=torch.float32
-    )
-    torch.manual_seed(0)
-    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in lora.lora_parameters(model):
-            if torch.count_nonzero(p) == 0:
-                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
-    return model, tokenizer, image_processor

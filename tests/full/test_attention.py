@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import model_io
-from grpo_vlm import attention, train
-from tests.conftest import train_args
+from full.conftest import train_args
+from grpo_vlm import attention, trainer
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 REAL_FIND_SPEC = importlib.util.find_spec
@@ -94,7 +94,7 @@ def test_a_text_only_model_keeps_its_one_kernel(random_causal_lm, monkeypatch):
 def test_the_choice_is_printed_at_start(flash_attn, tmp_path, capsys):
     flash_attn(False)
     args = train_args(output_dir=str(tmp_path / "run"), device="cpu", train_size=4, eval_size=0, batch_size=2)
-    run = train.build_run(args, CPU, torch.float32, 0, 1)
+    run = trainer.build_run(args, CPU, torch.float32, 0, 1)
     expected = "attention: language model sdpa, vision tower sdpa (flash-attn is not installed)"
     assert expected in capsys.readouterr().out.splitlines()
     assert run.model.model.visual.config._attn_implementation == "sdpa"

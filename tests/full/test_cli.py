@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 
 import model_io
-from grpo_vlm import checkpoints, cli, lora_config, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, lora_config, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(device="cpu", train_size=32, eval_size=4, batch_size=2, group_size=4, max_new_tokens=8, seed=0)
 
 
-def small_args(output_dir: Path | None, **overrides) -> train.Args:
+def small_args(output_dir: Path | None, **overrides) -> trainer.Args:
     return train_args(output_dir=None if output_dir is None else str(output_dir), **{**SMALL, **overrides})
 
 
@@ -44,9 +44,9 @@ def run_train(*flags: str, cwd: Path, preamble: str = "", timeout: int = 300) ->
     """`python -m grpo_vlm FLAGS` in a child process; `preamble` runs first (to patch a function in train)."""
     script = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv = ['train.py', *{list(flags)!r}]\n"
-        "import tyro\nfrom grpo_vlm import cli, train\n"
+        "import tyro\nfrom grpo_vlm import cli, trainer\n"
         + preamble
-        + "\ncli.run(train.main, tyro.cli(train.Args))\n"
+        + "\ncli.run(trainer.main, tyro.cli(trainer.Args))\n"
     )
     return subprocess.run(
         [sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
@@ -60,7 +60,7 @@ SMALL_FLAGS += ["--group-size", "4", "--max-new-tokens", "8"]
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    train.main(small_args(out, steps=3, save_every=1, keep_last=2))
+    trainer.main(small_args(out, steps=3, save_every=1, keep_last=2))
     return out
 
 
@@ -80,7 +80,7 @@ def test_resume_continues_the_copy_in_its_own_folder_and_leaves_the_default_fold
     for old in checkpoints.list_checkpoints(interrupted)[1:]:  # interrupted after its step-2 checkpoint
         shutil.rmtree(old)
     before = tree_digest(default)
-    train.main(small_args(None, steps=3, save_every=1, keep_last=2, resume=str(interrupted)))
+    trainer.main(small_args(None, steps=3, save_every=1, keep_last=2, resume=str(interrupted)))
     assert tree_digest(default) == before  # the other run: every file byte for byte
     steps = [json.loads(line)["step"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]  # continued in the copy, step 3 redone once
@@ -92,17 +92,17 @@ def test_resume_continues_the_copy_in_its_own_folder_and_leaves_the_default_fold
 
 def test_resume_refuses_an_output_dir_other_than_the_resumed_runs_folder(finished_run, tmp_path):
     with pytest.raises(cli.UsageError, match="--output-dir: --resume continues"):
-        train.main(small_args(tmp_path / "elsewhere", steps=4, resume=str(finished_run)))
+        trainer.main(small_args(tmp_path / "elsewhere", steps=4, resume=str(finished_run)))
     assert not (tmp_path / "elsewhere").exists()
 
 
 def test_keep_last_pruning_never_deletes_another_runs_checkpoint(tmp_path):
     out = tmp_path / "run"
-    train.main(small_args(out, steps=1, eval_size=0))
+    trainer.main(small_args(out, steps=1, eval_size=0))
     foreign = out / "checkpoint-000000"  # a stray checkpoint of some other run, older than any of ours
     shutil.copytree(out / "checkpoint-000001", foreign)
     (foreign / "checkpoint.json").write_text(json.dumps({"run_id": "another-run", "step": 0}))
-    train.main(
+    trainer.main(
         small_args(
             out, steps=4, save_every=1, keep_last=1, eval_size=0, resume=str(out / "checkpoint-000001")
         )
@@ -115,8 +115,8 @@ def test_a_start_that_fails_in_its_first_step_does_not_block_the_corrected_comma
     plugin = tmp_path / "bad_reward.py"
     plugin.write_text("def reward(completion, sample):\n    raise RuntimeError('plug-in bug')\n")
     with pytest.raises(RuntimeError, match="plug-in bug"):
-        train.main(small_args(out, steps=2, reward=(f"{plugin}:reward",)))
-    summary = train.main(small_args(out, steps=2))  # the corrected command: no --overwrite, no --resume
+        trainer.main(small_args(out, steps=2, reward=(f"{plugin}:reward",)))
+    summary = trainer.main(small_args(out, steps=2))  # the corrected command: no --overwrite, no --resume
     assert summary["steps"] == 2
 
 
@@ -146,7 +146,7 @@ def test_a_bad_flag_is_refused_by_name_before_anything_is_written(tmp_path, monk
         model_io, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check")
     )
     with pytest.raises(cli.UsageError, match=f"^{flag}: "):
-        train.main(small_args(tmp_path / "run", **BAD_FLAGS[flag]))
+        trainer.main(small_args(tmp_path / "run", **BAD_FLAGS[flag]))
     assert not (tmp_path / "run").exists()
 
 
@@ -166,7 +166,7 @@ EXACT_MESSAGES = [
 @pytest.mark.parametrize(("flags", "message"), EXACT_MESSAGES)
 def test_each_settings_group_is_refused_with_the_flag_in_every_place_it_is_named(flags, message):
     with pytest.raises(cli.UsageError) as error:
-        train.check_args(small_args(None, **flags))
+        trainer.check_args(small_args(None, **flags))
     assert str(error.value) == message
 
 
@@ -189,7 +189,7 @@ def test_lora_settings_check_names_the_flag_and_the_value(setting, message):
 def test_a_run_json_with_a_setting_in_its_former_group_resumes_with_it():
     # The adaptive-KL band was part of the loss's group: a run recorded then keeps its band on --resume.
     recorded = {"loss": {"beta": 0.1, "kl_target_low": 0.01, "kl_target_high": 0.2}, "lora": {"lora_r": 4}}
-    args = checkpoints.settings_from_record(recorded, train.Args)
+    args = checkpoints.settings_from_record(recorded, trainer.Args)
     assert (args.loss.beta, args.kl_band.kl_target_low, args.kl_band.kl_target_high) == (0.1, 0.01, 0.2)
     assert args.lora.lora_r == 4 and args.kl_band.kl_adapt_factor == 1.5  # what it lacks: the default
 
@@ -201,7 +201,7 @@ def test_an_output_dir_that_is_a_file_is_refused_before_the_model_loads(tmp_path
         model_io, "load_model", lambda *a, **k: pytest.fail("the model loaded before the check")
     )
     with pytest.raises(cli.UsageError, match="--output-dir: .* is a file"):
-        train.main(small_args(target))
+        trainer.main(small_args(target))
     assert target.read_text() == "mine"
 
 
@@ -214,7 +214,7 @@ def test_a_user_error_exits_2_with_one_line_and_no_traceback(tmp_path):
 
 
 def test_bad_data_exits_2_naming_file_and_line_without_traceback(tmp_path):
-    bad = tmp_path / "train.jsonl"
+    bad = tmp_path / "trainer.jsonl"
     bad.write_text('{"id": "a", "prompt": "x", "label": "通过"}\n{"id": "b", "prompt": 3}\n')
     child = run_train(
         "--data", str(bad), "--reward", "label", "--output-dir", str(tmp_path / "run"), cwd=tmp_path
@@ -229,12 +229,12 @@ def test_bad_data_exits_2_naming_file_and_line_without_traceback(tmp_path):
 # --- signals at any moment ----------------------------------------------------------------------------------
 
 SIGNAL_DURING = {
-    "model loading": "real = train.model_io.load_model\n"
+    "model loading": "real = trainer.model_io.load_model\n"
     "def load(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
-    "train.model_io.load_model = load",
-    "the step-0 evaluation": "real = train.evaluate\n"
+    "trainer.model_io.load_model = load",
+    "the step-0 evaluation": "real = trainer.evaluate\n"
     "def evaluate(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return real(*a, **k)\n"
-    "train.evaluate = evaluate",
+    "trainer.evaluate = evaluate",
 }
 
 
@@ -264,9 +264,9 @@ def test_a_signal_before_the_first_step_stops_with_130_and_leaves_nothing(tmp_pa
 
 def test_a_signal_during_a_step_exits_130_after_a_checkpoint_and_says_how_to_continue(tmp_path):
     preamble = (
-        "import os, signal\nreal = train.policy_update\n"
+        "import os, signal\nreal = trainer.policy_update\n"
         "def update(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
-        "train.policy_update = update"
+        "trainer.policy_update = update"
     )
     out = tmp_path / "run"
     child = run_train(*SMALL_FLAGS, "--steps", "3", "--output-dir", str(out), cwd=tmp_path, preamble=preamble)
@@ -281,7 +281,7 @@ def test_a_signal_during_a_step_exits_130_after_a_checkpoint_and_says_how_to_con
 
 def test_rollouts_jsonl_keeps_every_completion_with_its_rewards_and_is_trimmed_on_resume(tmp_path):
     out = tmp_path / "run"
-    train.main(small_args(out, steps=2, save_every=1, eval_size=0))
+    trainer.main(small_args(out, steps=2, save_every=1, eval_size=0))
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] * 8 + [2] * 8  # B * G = 8 completions a step
     first = rows[0]
@@ -304,7 +304,7 @@ def test_rollouts_jsonl_keeps_every_completion_with_its_rewards_and_is_trimmed_o
     assert all(1 <= r["length"] <= 8 for r in rows)
     # A resume from the step-1 checkpoint redoes step 2: its lines are replaced, not duplicated.
     shutil.rmtree(out / "checkpoint-000002")
-    train.main(small_args(out, steps=2, save_every=1, eval_size=0, resume=str(out)))
+    trainer.main(small_args(out, steps=2, save_every=1, eval_size=0, resume=str(out)))
     again = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in again] == [1] * 8 + [2] * 8
     assert again == rows  # the resumed step draws the same completions (exact resume)
@@ -313,7 +313,7 @@ def test_rollouts_jsonl_keeps_every_completion_with_its_rewards_and_is_trimmed_o
 def test_steps_without_learning_signal_are_flagged_with_a_hint(tmp_path, capsys):
     plugin = tmp_path / "constant.py"
     plugin.write_text("def reward(completion, sample):\n    return 1.0\n")
-    train.main(small_args(tmp_path / "run", steps=3, eval_size=0, reward=(f"{plugin}:reward",)))
+    trainer.main(small_args(tmp_path / "run", steps=3, eval_size=0, reward=(f"{plugin}:reward",)))
     printed = capsys.readouterr().out
     assert printed.count("no learning signal") == 3
     assert "3 steps in a row without a learning signal" in printed and "--group-size" in printed
@@ -364,11 +364,11 @@ def test_a_checkpoint_whose_state_would_run_code_is_never_loaded_on_resume(finis
     torch.save({"step": 3, "payload": CreatesFile(marker)}, live := tmp_path / "live.pt")
     named = str(run / "checkpoint-000003")
     with pytest.raises(cli.UsageError, match=r"checkpoint-000003 is damaged \(trainer_state.pt is .* bytes"):
-        train.main(small_args(run, steps=4, resume=named))  # its manifest does not know the file
+        trainer.main(small_args(run, steps=4, resume=named))  # its manifest does not know the file
     (state.parent / checkpoints.OWNER_FILE).write_text('{"run_id": null, "step": 3}')  # an older checkpoint's
     with pytest.raises(cli.UsageError, match="refusing to load"):
-        train.main(small_args(run, steps=4, resume=named))
-    train.main(small_args(run, steps=4, resume=str(run)))  # a run folder: its newest checkpoint that loads
+        trainer.main(small_args(run, steps=4, resume=named))
+    trainer.main(small_args(run, steps=4, resume=str(run)))  # a run folder: its newest checkpoint that loads
     assert "warning: checkpoint-000003 is damaged (" in capsys.readouterr().out
     assert not marker.exists()
     torch.load(live, weights_only=False)  # the payload is live: the old loader would have run it

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, VISION_END_ID, VISION_START_ID, make_random_vlm, train_args
+from conftest import EOS_ID, IMAGE_PAD_ID, PAD_ID, VISION_END_ID, VISION_START_ID, make_random_vlm
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, GenerationConfig
 
@@ -14,7 +14,8 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import dataset, grounding, speedups, tasks, train
+from full.conftest import train_args
+from grpo_vlm import dataset, grounding, speedups, tasks, trainer
 from scripts import evaluate
 
 GROUNDING = list(data.GROUNDING_TOKENS)
@@ -180,7 +181,7 @@ def test_training_logs_the_blank_image_accuracy_at_each_evaluation(tmp_path):
         output_dir=str(tmp_path / "run"),
         eval_image_ablation="blank",
     )
-    train.main(args)
+    trainer.main(args)
     evals = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
     evals = [r for r in evals if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1]
@@ -235,6 +236,6 @@ def test_a_step_whose_every_completion_is_truncated_and_masked_logs_zero_entropy
     token means (entropy) are 0 over 0 tokens, not a division by zero."""
     flags = dict(steps=1, batch_size=2, group_size=2, max_new_tokens=2, eval_size=0, train_size=8)
     args = train_args(output_dir=str(tmp_path / "run"), mask_truncated=True, **flags)
-    train.main(args)
+    trainer.main(args)
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["frac_truncated"] == 1.0 and record["entropy"] == 0.0

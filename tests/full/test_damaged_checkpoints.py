@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 
 import model_io
-from grpo_vlm import checkpoints, cli, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
@@ -35,7 +35,7 @@ def tree_digest(folder: Path) -> dict[str, str]:
 def two_checkpoints(tmp_path_factory) -> Path:
     """A finished 4-step run with checkpoint-000002 and checkpoint-000004; copy it before damaging it."""
     out = tmp_path_factory.mktemp("whole") / "run"
-    train.main(train_args(output_dir=str(out), **FLAGS))
+    trainer.main(train_args(output_dir=str(out), **FLAGS))
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002", "checkpoint-000004"]
     return out
 
@@ -89,7 +89,7 @@ def test_a_newest_checkpoint_file_cut_short_or_emptied_is_reported_and_the_older
     run = copy_of(two_checkpoints, tmp_path)
     size = (run / "checkpoint-000004" / name).stat().st_size
     cut(run / "checkpoint-000004" / name, how)
-    train.main(train_args(output_dir=None, resume=str(run), **FLAGS))
+    trainer.main(train_args(output_dir=None, resume=str(run), **FLAGS))
     printed = capsys.readouterr().out
     if name == checkpoints.OWNER_FILE:
         why = f"{name} is unreadable"
@@ -134,7 +134,7 @@ def test_a_damaged_checkpoint_named_explicitly_is_refused_not_replaced_by_anothe
     with pytest.raises(
         cli.UsageError, match=r"checkpoint-000004 is damaged \(adapter_config.json is 0 bytes"
     ):
-        train.main(train_args(output_dir=None, resume=str(run / "checkpoint-000004"), **FLAGS))
+        trainer.main(train_args(output_dir=None, resume=str(run / "checkpoint-000004"), **FLAGS))
 
 
 def test_a_checkpoint_without_a_manifest_resumes_and_a_cut_adapter_there_is_one_line_naming_it(
@@ -146,9 +146,9 @@ def test_a_checkpoint_without_a_manifest_resumes_and_a_cut_adapter_there_is_one_
     weights = run / "checkpoint-000004" / model_io.ADAPTER_WEIGHTS
     cut(weights, "half")
     with pytest.raises(cli.UsageError, match=rf"{weights}: unreadable \(.*\); is it damaged or cut short\?$"):
-        train.main(train_args(output_dir=None, resume=str(run), **{**FLAGS, "steps": 5}))  # one more step
+        trainer.main(train_args(output_dir=None, resume=str(run), **{**FLAGS, "steps": 5}))  # one more step
     weights.write_bytes((two_checkpoints / "checkpoint-000004" / model_io.ADAPTER_WEIGHTS).read_bytes())
-    assert train.main(train_args(output_dir=None, resume=str(run), **{**FLAGS, "steps": 5}))["steps"] == 5
+    assert trainer.main(train_args(output_dir=None, resume=str(run), **{**FLAGS, "steps": 5}))["steps"] == 5
 
 
 def test_a_foreign_state_file_in_a_checkpoint_without_a_manifest_is_named_not_a_traceback(

@@ -15,9 +15,9 @@ and sequence level (delta, the bias-corrected KL, a token mask, the batch totals
 log-probs and entropy, high-entropy selection, rollout metrics, the recompute's inputs; speedups' sampler
 draw, row splitting and fp32 row-by-row log-probs with their backward; distributed.batch_counts; train.py's
 advantages (GDPO's reward weights) and dynamic sampling's choice (`groups_with_signal`, one round).
-Then a whole `train.train_step` and `train.evaluate` with the shipped tiny model, its LoRA and AdamW on the
-stand-in device, on the default path and the plain one (sampling, rewards, the trunk, the recompute, the
-update, with GDPO, mu = 2, 80/20, micro-batches, dynamic sampling, checkpointing and image ablation).
+Then a whole `trainer.train_step` and `trainer.evaluate` with the shipped tiny model, its LoRA and AdamW on
+the stand-in device, on the default path and the plain one (sampling, rewards, the trunk, the recompute,
+the update, with GDPO, mu = 2, 80/20, micro-batches, dynamic sampling, checkpointing and image ablation).
 
 Then the flags that pick kernels: --attn-implementation, --deterministic and torchrun's --dist-timeout.
 """
@@ -42,7 +42,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, dataset, distributed, metrics, speedups, train
+from grpo_vlm import cli, dataset, distributed, metrics, speedups, trainer
 
 OTHER = torch.device("meta")
 
@@ -188,13 +188,13 @@ def test_gdpo_advantages_take_reward_weights_made_on_the_cpu_to_the_components_d
 
 
 def test_train_advantages_make_gdpo_weights_on_the_rewards_device(other_device):
-    args = train.Args()
+    args = trainer.Args()
     args.group_size, args.adv.multi_objective_aggregation = 2, "normalize_then_sum"
     run = types.SimpleNamespace(
         reward_fns=[types.SimpleNamespace(weight=1.0), types.SimpleNamespace(weight=0.5)]
     )
     components = {"a": on_other([1.0, 0.0, 1.0, 1.0]), "b": on_other([0.0, 1.0, 0.0, 1.0])}
-    assert_on_other(train.advantages(on_other([1.0, 1.0, 1.0, 2.0]), components, run, args))
+    assert_on_other(trainer.advantages(on_other([1.0, 1.0, 1.0, 2.0]), components, run, args))
 
 
 def loss_inputs(N: int = 4, T: int = 5):
@@ -294,20 +294,20 @@ def test_split_rows_keeps_each_chunks_images_on_their_device(other_device):
 
 
 def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(other_device):
-    args = train.Args(batch_size=2, group_size=2, max_sampling_rounds=1, dynamic_sampling=True)
+    args = trainer.Args(batch_size=2, group_size=2, max_sampling_rounds=1, dynamic_sampling=True)
     args.samples.train_size, args.samples.eval_size = 4, 0
     samples, _ = dataset.load_samples(args.samples, seed=0)
     path = model_io.DEFAULT_MODEL
     tokenizer, image_processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
     tokenizer.padding_side = "left"
     weights = [types.SimpleNamespace(weight=1.0)]
-    run = train.Run(None, tokenizer, image_processor, OTHER, train_samples=samples, reward_fns=weights)
+    run = trainer.Run(None, tokenizer, image_processor, OTHER, train_samples=samples, reward_fns=weights)
     ids = on_other([[9, 1, 0], [9, 9, 1], [8, 1, 0], [7, 7, 7]])  # (N, T)
     mask, truncated = grpo.completion_mask(ids, 1)
     reward = on_other([1.0, 1.0, 0.0, 1.0])  # group 0 without signal, group 1 with
     fields = dict(prompts=None, completion_ids=ids, mask=mask, truncated=truncated, texts=list("abcd"))
     fields.update(samples=[], reward=reward, components={"format": reward}, adv=reward, chunks=[])
-    kept, counts = train.groups_with_signal(run, train.Rollout(**fields), 1, args)
+    kept, counts = trainer.groups_with_signal(run, trainer.Rollout(**fields), 1, args)
     assert counts == {"dynamic/groups_sampled": 2, "dynamic/groups_kept": 1, "dynamic/rounds": 1}
     assert kept.texts == ["c", "d", "a", "b"]  # the group with a signal first
     assert_on_other(
@@ -334,8 +334,8 @@ PATHS = {
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_training_step_and_an_evaluation_run_wholly_on_the_stand_in_device(tmp_path, path):
-    args = tyro.cli(train.Args, args=[*STEP_FLAGS, *PATHS[path], "--output-dir", str(tmp_path)])
-    run = train.build_run(args, torch.device("cpu"), torch.float32, 0, 1)  # data, rewards, model, LoRA
+    args = tyro.cli(trainer.Args, args=[*STEP_FLAGS, *PATHS[path], "--output-dir", str(tmp_path)])
+    run = trainer.build_run(args, torch.device("cpu"), torch.float32, 0, 1)  # data, rewards, model, LoRA
     with on_other_device():
         run.model.to(OTHER)  # new Parameter objects: the optimizer and the speed-up plan are made for them
         run.device, params = OTHER, lora.lora_parameters(run.model)
@@ -343,8 +343,8 @@ def test_a_training_step_and_an_evaluation_run_wholly_on_the_stand_in_device(tmp
         run.scheduler = model_io.cosine_with_warmup(run.optimizer, warmup_steps=0, total_steps=1)
         run.speed = speedups.choose(run.model, args.speed, last_k=args.lora.lora_last_k)
         before = [p.detach().clone() for p in params]
-        record, _, ro = train.train_step(1, run, args, args.loss.beta)
-        evaluation, _, _ = train.evaluate(run, args)
+        record, _, ro = trainer.train_step(1, run, args, args.loss.beta)
+        evaluation, _, _ = trainer.evaluate(run, args)
         assert_on_other(*params, *[p.grad for p in params if p.grad is not None], ro.reward, ro.adv, ro.mask)
         assert any(not torch.equal(a, b) for a, b in zip(params, before))  # AdamW stepped on OTHER
     assert not record["skipped"] and set(evaluation) >= {"eval/accuracy", "eval/reward"}
@@ -376,11 +376,11 @@ def test_flash_attention_without_its_package_is_refused_in_one_line_and_so_is_a_
     assert (done.returncode, done.stderr) == (2, f"error: --attn-implementation: {message}\n")
     assert not (tmp_path / "run").exists()
     with pytest.raises(cli.UsageError, match=r"^--dist-timeout: must be > 0 minutes, got 0.0$"):
-        train.check_args(train.Args(dist_timeout=0.0))
+        trainer.check_args(trainer.Args(dist_timeout=0.0))
 
 
 def test_attn_implementation_reaches_the_model_and_sdpa_is_transformers_own_default():
-    assert train.Args().attn_implementation == "sdpa"
+    assert trainer.Args().attn_implementation == "sdpa"
     for requested, loaded in ((None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa")):
         model, _, _ = model_io.load_model(
             model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32, attn_implementation=requested
@@ -393,11 +393,11 @@ def test_a_deterministic_run_requests_deterministic_kernels_and_on_cpu_trains_as
     # switches and the attention the model was loaded with; the same run here, without --deterministic,
     # writes the same metrics (the CPU's kernels are deterministic anyway).
     report = (
-        "import json, os, sys, torch, tyro, model_io\nfrom grpo_vlm import cli, train\n"
+        "import json, os, sys, torch, tyro, model_io\nfrom grpo_vlm import cli, trainer\n"
         "loaded = []\n"
         "load = model_io.load_model\n"
         "model_io.load_model = lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1]\n"
-        "train.main(tyro.cli(train.Args, args=sys.argv[1:]))\n"
+        "trainer.main(tyro.cli(trainer.Args, args=sys.argv[1:]))\n"
         "switches = [torch.are_deterministic_algorithms_enabled(), os.environ['CUBLAS_WORKSPACE_CONFIG']]\n"
         "print(json.dumps([*switches, loaded[0][0].config._attn_implementation]))\n"
     )
@@ -405,7 +405,7 @@ def test_a_deterministic_run_requests_deterministic_kernels_and_on_cpu_trains_as
     done = child(sys.executable, "-c", report, *flags, "--deterministic", "--output-dir", str(tmp_path / "a"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [True, ":4096:8", "eager"]
-    train.main(tyro.cli(train.Args, args=[*flags, "--output-dir", str(tmp_path / "b")]))
+    trainer.main(tyro.cli(trainer.Args, args=[*flags, "--output-dir", str(tmp_path / "b")]))
     metrics = [(tmp_path / name / "metrics.jsonl").read_bytes() for name in ("a", "b")]
     assert metrics[0] == metrics[1]
 
@@ -415,17 +415,17 @@ def test_deterministic_top_p_sampling_on_cuda_is_refused_before_anything_starts(
     monkeypatch.setattr(distributed, "use_deterministic_algorithms", lambda: None)  # no global switch here
     monkeypatch.setattr(distributed, "resolve_device", lambda name: torch.device("cuda"))
     args = tyro.cli(
-        train.Args, args=["--deterministic", "--top-p", "0.9", "--output-dir", str(tmp_path / "r")]
+        trainer.Args, args=["--deterministic", "--top-p", "0.9", "--output-dir", str(tmp_path / "r")]
     )
     with pytest.raises(cli.UsageError, match=r"^--deterministic: cannot sample with --top-p < 1 on CUDA"):
-        train.main(args)
+        trainer.main(args)
     assert not (tmp_path / "r").exists()
 
 
 DIST_TIMEOUT_RANK = """
 import sys, time, torch, tyro
-from grpo_vlm import distributed, train
-args = tyro.cli(train.Args, args=["--dist-timeout", sys.argv[1]])
+from grpo_vlm import distributed, trainer
+args = tyro.cli(trainer.Args, args=["--dist-timeout", sys.argv[1]])
 rank, _ = distributed.init_distributed(torch.device("cpu"), timeout_minutes=args.dist_timeout)
 start = time.time()
 if rank == 1:

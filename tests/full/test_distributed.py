@@ -1,7 +1,7 @@
 """Several ranks (torchrun, gloo, CPU) equal one process: the same LoRA update and one writer of every file.
 
 The equivalence test fixes one rollout of 2B prompts x G completions on the shipped tiny VLM (LoRA B made
-non-zero so that every A and B gets a gradient), then takes one `train.policy_update` (mu = 2 AdamW steps,
+non-zero so that every A and B gets a gradient), then takes one `trainer.policy_update` (mu = 2 AdamW steps,
 micro-batches of 4 rows) (a) in this process on all 2B*G rows and (b) on 2 gloo ranks, rank r on its B whole
 groups, rows
 [r*B*G, (r+1)*B*G). Each rank normalises its loss by the global counts and the LoRA gradients are summed, so
@@ -23,21 +23,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import lora_model_with_gradients, make_run, train_args
 from safetensors.torch import load_file
 
 import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, train
+from full.conftest import lora_model_with_gradients, make_run, train_args
+from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
 TIMEOUT_S = 120
 
 
-def update_args(loss_type: str) -> train.Args:
+def update_args(loss_type: str) -> trainer.Args:
     return train_args(
         device="cpu",
         batch_size=B,
@@ -51,13 +51,15 @@ def update_args(loss_type: str) -> train.Args:
     )
 
 
-def rank_rollout(run: train.Run, fixed: dict, args: train.Args, rank: int, world_size: int) -> train.Rollout:
+def rank_rollout(
+    run: trainer.Run, fixed: dict, args: trainer.Args, rank: int, world_size: int
+) -> trainer.Rollout:
     """Rank `rank`'s share of the fixed rollout: whole groups, rows [rank*n, (rank+1)*n), with their
     images."""
     n = fixed["completion_ids"].shape[0] // world_size
     rows, inputs = speedups.split_rows(fixed["inputs"], n)[rank]
     ids = fixed["completion_ids"][rows]
-    return train.Rollout(
+    return trainer.Rollout(
         prompts=None,  # the update reads the chunks' rows only
         completion_ids=ids,
         mask=fixed["mask"][rows],
@@ -88,7 +90,7 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
         scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=10)
         run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world_size)
         ro = rank_rollout(run, fixed, args, rank, world_size)
-        stats = train.policy_update(run, ro, args, args.loss.beta)
+        stats = trainer.policy_update(run, ro, args, args.loss.beta)
         results[loss_type] = {
             "grads": [p.grad.clone() for p in params],
             "params": [p.detach().clone() for p in params],
@@ -105,10 +107,10 @@ def fixed_rollout(tmp_path_factory) -> Path:
     args = update_args("dapo")
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
-    reward_fns = train.resolve_rewards(args, "inspection")
+    reward_fns = trainer.resolve_rewards(args, "inspection")
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
-    ro = train.rollout(run, prompts, args)
-    train.frozen_logprobs(run, ro, args)
+    ro = trainer.rollout(run, prompts, args)
+    trainer.frozen_logprobs(run, ro, args)
     for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
         assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"
     path = tmp_path_factory.mktemp("distributed") / "rollout.pt"
@@ -219,12 +221,12 @@ def test_resume_on_two_ranks_reproduces_an_uninterrupted_two_rank_run(two_rank_r
 
 
 def held_out_evaluation(rank: int, world_size: int) -> dict:
-    """train.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, the
+    """trainer.evaluate of 5 held-out samples and their blanked copies in batches of 2: the metrics, the
     per-sample records and thumbnail file names, and the size of every batch this rank decoded."""
     model, tokenizer, image_processor = lora_model_with_gradients()
     args = train_args(device="cpu", max_new_tokens=8, eval_image_ablation="blank")
     held_out = tasks.make_task("inspection", 5, split="test", seed=0)
-    reward_fns = train.resolve_rewards(args, "inspection")
+    reward_fns = trainer.resolve_rewards(args, "inspection")
     run = make_run(
         model,
         args,
@@ -237,19 +239,19 @@ def held_out_evaluation(rank: int, world_size: int) -> dict:
         rank=rank,
         world=world_size,
     )
-    decoded, real_sample, real_batch_size = [], speedups.sample, train.EVAL_BATCH_SIZE
+    decoded, real_sample, real_batch_size = [], speedups.sample, trainer.EVAL_BATCH_SIZE
 
     def sample(model, inputs, *args, **options):
         decoded.append(len(inputs["input_ids"]))
         return real_sample(model, inputs, *args, **options)
 
     speedups.sample = sample
-    train.EVAL_BATCH_SIZE = 2  # batches [0, 2), [2, 4), [4, 5): rank 0 takes the first and the last
+    trainer.EVAL_BATCH_SIZE = 2  # batches [0, 2), [2, 4), [4, 5): rank 0 takes the first and the last
     try:
-        metrics, samples, made = train.evaluate(run, args)
+        metrics, samples, made = trainer.evaluate(run, args)
         return {"metrics": metrics, "samples": samples, "thumbs": sorted(made), "decoded": decoded}
     finally:
-        speedups.sample, train.EVAL_BATCH_SIZE = real_sample, real_batch_size
+        speedups.sample, trainer.EVAL_BATCH_SIZE = real_sample, real_batch_size
 
 
 def test_two_ranks_evaluate_half_the_held_out_batches_each_and_get_the_one_process_metrics(tmp_path):
@@ -302,7 +304,7 @@ def test_a_reward_failing_on_another_ranks_evaluation_share_stops_every_rank_aft
 # --- dynamic sampling chooses over the global batch -------------------------------------------------------
 
 
-def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, chunks: bool = True):
+def scripted_rollout(run: trainer.Run, prompts: list[dict], args: trainer.Args, *, chunks: bool = True):
     """A rollout whose completions and rewards are functions of the prompts alone (no model, no RNG), so one
     process and the ranks see the same groups: prompts whose id is a multiple of 3 get equal rewards."""
     G, eos = args.group_size, 2
@@ -310,8 +312,8 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
     ids = torch.tensor([[10 + i % 7, 11 + j, eos if (i + j) % 2 else 12, eos] for i, j in rows])
     mask, truncated = grpo.completion_mask(ids, eos)
     reward = torch.tensor([0.5 if i % 3 == 0 else float(j % 2) for i, j in rows])
-    batch = train.prompt_batch(run, prompts, args)
-    return train.Rollout(
+    batch = trainer.prompt_batch(run, prompts, args)
+    return trainer.Rollout(
         prompts=batch,
         completion_ids=ids,
         mask=mask,
@@ -320,7 +322,7 @@ def scripted_rollout(run: train.Run, prompts: list[dict], args: train.Args, *, c
         samples=[p for p in prompts for _ in range(G)],
         reward=reward,
         components={"r": reward},
-        adv=train.advantages(reward, {"r": reward}, run, args),
+        adv=trainer.advantages(reward, {"r": reward}, run, args),
         chunks=[],
     )
 
@@ -332,12 +334,12 @@ def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:
     args.speed.trunk_reuse = args.speed.shared_prefill = False
     run = make_run(None, args, tokenizer=tokenizer, rank=rank, world=world_size)
     run.train_samples = [{"id": i, "prompt": f"question {i}"} for i in range(40)]
-    real_rollout, train.rollout = train.rollout, scripted_rollout  # extra rounds sample through it
+    real_rollout, trainer.rollout = trainer.rollout, scripted_rollout  # extra rounds sample through it
     try:
         steps = []
         for step in (1, 2, 3):
             prompts = data.batch_for_step(run.train_samples, step - 1, batch_size, 0, rank, world_size)
-            ro, counts = train.groups_with_signal(run, scripted_rollout(run, prompts, args), step, args)
+            ro, counts = trainer.groups_with_signal(run, scripted_rollout(run, prompts, args), step, args)
             texts = [t for t, m in zip(ro.texts, ro.mask.any(dim=1)) if m]
             steps.append(
                 {
@@ -348,7 +350,7 @@ def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:
                 }
             )
     finally:
-        train.rollout = real_rollout
+        trainer.rollout = real_rollout
     return steps
 
 

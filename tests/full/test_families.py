@@ -8,10 +8,10 @@ For each family, the checks tests/test_speed.py and tests/test_grpo.py make on Q
 2. the recomputed log-probs equal the ones generate reports;
 3. the frozen trunk, captured or recorded while sampling, gives the full forward's log-probs, entropies and
    LoRA gradients;
-4. one step of `train.main` on a saved checkpoint with the embedded tokenizer: the default speed-ups and the
+4. one step of `trainer.main` on a saved checkpoint with the embedded tokenizer: the default speed-ups and the
    plain path sample the same completions and report the same loss, gradient norm, KL and entropy.
 Then the placements the trunk cannot take (LoRA on Qwen3-VL's deepstack blocks; adapted blocks of mixed
-attention types, or of another type than block 0 for the recorded trunk): refused by `train.main` before
+attention types, or of another type than block 0 for the recorded trunk): refused by `trainer.main` before
 anything runs or is written, with a flag that then trains, to the same numbers as the plain path.
 """
 
@@ -32,16 +32,15 @@ from conftest import (
     VISION_START_ID,
     VLM_FAMILIES,
     make_random_model,
-    save_random_checkpoint,
-    train_args,
 )
 from test_grpo import hand_completions, sample, text_inputs, vlm_inputs
 from transformers import AutoImageProcessor, AutoTokenizer
 
 import grpo
 import lora
+from full.conftest import save_random_checkpoint, train_args
 from full.test_speed import SAMPLING, K, assert_same, logprobs_and_grads
-from grpo_vlm import cli, speedups, train
+from grpo_vlm import cli, speedups, trainer
 
 G = 3  # completions per prompt: B = 2 prompts, N = 6 rows
 NUM_LAYERS = 4  # make_random_model's default
@@ -129,7 +128,7 @@ def test_frozen_trunk_captured_or_recorded_equals_the_full_forward_in_every_fami
     assert all(grad.abs().sum() > 0 for grad in full[2].values())  # every LoRA weight is exercised
 
 
-# --- 4: one step of train.main on a saved checkpoint of every family ----------------------------------------
+# --- 4: one step of trainer.main on a saved checkpoint of every family ------------------------------------
 
 
 @pytest.fixture
@@ -141,7 +140,7 @@ def reward_plugin(tmp_path: Path) -> str:
 
 
 def train_one_step(model_dir: Path, out: Path, reward: str, **flags) -> dict:
-    """train.main for one step of B = 2 prompts x G = 3 (image task for a VLM, text task otherwise); the
+    """trainer.main for one step of B = 2 prompts x G = 3 (image task for a VLM, text task otherwise); the
     metrics of that step and its completions. Two optimizer steps on the rollout (num_iterations): the
     second one's loss and KL depend on the recomputed log-probs, not on the advantages alone."""
     is_vlm = (model_dir / "preprocessor_config.json").exists()
@@ -160,7 +159,7 @@ def train_one_step(model_dir: Path, out: Path, reward: str, **flags) -> dict:
         lora_last_k=K,
         num_iterations=2,
     )
-    train.main(train_args(**(options | flags)))
+    trainer.main(train_args(**(options | flags)))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     return record | {"completions": [row["completion"] for row in rows]}
@@ -179,7 +178,7 @@ def test_the_embedded_tokenizer_and_image_processor_fit_every_family():
     markers = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
     expected = [PAD_ID, VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID]
     assert tokenizer.convert_tokens_to_ids(markers) == expected and tokenizer.pad_token_id == PAD_ID
-    for family in FAMILIES:  # as save_random_checkpoint builds them for train.main
+    for family in FAMILIES:  # as save_random_checkpoint builds them for trainer.main
         model = make_random_model(family, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
         text = model.config.get_text_config()
         assert (text.vocab_size, text.eos_token_id) == (len(tokenizer), tokenizer.eos_token_id)
@@ -248,7 +247,7 @@ def test_a_placement_the_trunk_cannot_take_is_refused_before_anything_runs_and_t
     model_dir = save_random_checkpoint(family, tmp_path / "model", **config)
     with monkeypatch.context() as patched:
         for name in ("evaluate", "train_step"):  # the refusal must come before either
-            patched.setattr(train, name, lambda *a, **k: pytest.fail("ran before refusing"))
+            patched.setattr(trainer, name, lambda *a, **k: pytest.fail("ran before refusing"))
         refused = [{}]
         if "trunk_reuse" in fallback:  # the trunk is refused whichever sampler would feed it
             refused.append(dict(shared_prefill=False))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 
-from grpo_vlm import checkpoints, cli, plugins, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, plugins, trainer
 
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
 FLAGS |= dict(warmup_steps=1, seed=3, steps=2, save_every=1)
@@ -39,7 +39,7 @@ def finished(tmp_path_factory) -> tuple[Path, Path]:
     plugin = root / "judge.py"
     plugin.write_text(JUDGE)
     out = root / "run"
-    train.main(train_args(output_dir=str(out), reward=("label", f"{plugin}:judge"), **FLAGS))
+    trainer.main(train_args(output_dir=str(out), reward=("label", f"{plugin}:judge"), **FLAGS))
     return out, plugin
 
 
@@ -71,7 +71,7 @@ def refused(child: subprocess.CompletedProcess) -> str:
 def command(argv: list[str], capsys) -> tuple[int, str]:
     """`python -m grpo_vlm ARGV` in this process (cli.run, as __main__ calls it): (exit status, stderr)."""
     with pytest.raises(SystemExit) as stopped:
-        cli.run(lambda a: train.main(train.command_line(a), train.typed_flags(a)), argv)
+        cli.run(lambda a: trainer.main(trainer.command_line(a), trainer.typed_flags(a)), argv)
     return stopped.value.code, capsys.readouterr().err
 
 
@@ -261,7 +261,9 @@ def test_a_state_of_the_wrong_shape_is_one_line_naming_the_file_and_the_field(
 def test_a_newest_state_of_the_wrong_shape_falls_back_to_the_older_checkpoint(finished, tmp_path, capsys):
     run, _ = copy_of(finished, tmp_path)
     damage_state(run / "checkpoint-000002", lambda s: set_field(s, "step", "abc"))
-    assert train.main(train.command_line(["--resume", str(run), "--steps", "3"]), {"--reward"})["steps"] == 3
+    assert (
+        trainer.main(trainer.command_line(["--resume", str(run), "--steps", "3"]), {"--reward"})["steps"] == 3
+    )
     printed = capsys.readouterr().out
     assert "warning: checkpoint-000002 is damaged (" in printed and "step: must be an int >= 0" in printed
 

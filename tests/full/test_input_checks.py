@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import train_args
 from PIL import Image
 
 import data
 import lora
 import model_io
 import rewards
-from grpo_vlm import adapters, cli, dataset, scoring, train
+from full.conftest import train_args
+from grpo_vlm import adapters, cli, dataset, scoring, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = scoring.BUILTIN_REWARDS
@@ -268,7 +268,7 @@ def test_an_image_above_max_image_pixels_is_refused_at_load_naming_file_line_and
     with pytest.raises(
         cli.UsageError, match=rf"{path}:1: image .*big\.png is 300x200 \(60,000 pixels\), more than"
     ):
-        train.main(args)
+        trainer.main(args)
     assert not (tmp_path / "run").exists()
 
 

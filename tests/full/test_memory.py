@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 import lora
 import model_io
-from grpo_vlm import lora_config, memory, speedups, tasks, train
+from full.conftest import train_args
+from grpo_vlm import lora_config, memory, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 README_SHAPES = dict(rows=64, prompt_len=1200, completion_len=256, last_k=4, lora_r=16, dtype_bytes=2)
@@ -42,23 +42,23 @@ def measured_step(model, tokenizer, image_processor, args) -> tuple[dict[str, in
     """One training step through train.py's functions, the bytes of the tensors it makes tracked phase by
     phase (the weights exist before); also the step's shapes."""
     lora_config.inject(model, args.lora)
-    run = train.Run(
+    run = trainer.Run(
         model=model, tokenizer=tokenizer, image_processor=image_processor, device=torch.device("cpu")
     )
     run.optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-3)
     run.scheduler = torch.optim.lr_scheduler.LambdaLR(run.optimizer, lambda step: 1.0)
-    run.sampling = train.sampling_options(args, tokenizer)
+    run.sampling = trainer.sampling_options(args, tokenizer)
     run.speed = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
-    run.reward_fns = train.resolve_rewards(args, "inspection")
+    run.reward_fns = trainer.resolve_rewards(args, "inspection")
     run.accuracy_name = run.reward_fns[0].name
     prompts = tasks.make_task("inspection", args.batch_size, seed=0)
     with memory.track_peak() as counter:
-        ro = train.rollout(run, prompts, args)
+        ro = trainer.rollout(run, prompts, args)
         measured = {"sampling": counter.peak, "trunk": counter.live}
         counter.peak = counter.live
-        train.frozen_logprobs(run, ro, args)
+        trainer.frozen_logprobs(run, ro, args)
         measured["logprob_pass"], counter.peak = counter.peak, counter.live
-        train.policy_update(run, ro, args, args.loss.beta)
+        trainer.policy_update(run, ro, args, args.loss.beta)
         measured["update"] = counter.peak
     image_tokens = ro.inputs["mm_token_type_ids"].sum().item() / ro.inputs["input_ids"].shape[0]
     N, P = ro.inputs["input_ids"].shape
@@ -171,9 +171,9 @@ def test_on_cuda_the_default_micro_batch_is_chosen_to_fit_and_an_explicit_one_wi
     model = tiny_model
     cuda = torch.device("cuda")  # a stand-in: with a budget given, fit_memory asks the device nothing
     args = train_args(batch_size=4, group_size=4, max_new_tokens=16)
-    speed, lines = train.fit_memory(args, model, torch.device("cpu"), torch.float32, 60)
+    speed, lines = trainer.fit_memory(args, model, torch.device("cpu"), torch.float32, 60)
     assert speed == args.speed and lines == []  # the CPU's default: all N rows, nothing printed
-    speed, lines = train.fit_memory(args, model, cuda, torch.float32, 60, budget=2**40)
+    speed, lines = trainer.fit_memory(args, model, cuda, torch.float32, 60, budget=2**40)
     assert (speed.micro_batch_size, speed.gradient_checkpointing) == (16, False)
     assert "--micro-batch-size auto: 16 rows, gradient checkpointing off" in lines
     shapes = dict(rows=16, prompt_len=60, completion_len=16, last_k=4, lora_r=8, dtype_bytes=4, group_size=4)
@@ -181,10 +181,10 @@ def test_on_cuda_the_default_micro_batch_is_chosen_to_fit_and_an_explicit_one_wi
     tight = memory.estimate(
         model.config, **shapes, num_params=frozen, micro_batch_size=2, gradient_checkpointing=True
     )
-    speed, lines = train.fit_memory(args, model, cuda, torch.float32, 60, budget=tight["peak"])
+    speed, lines = trainer.fit_memory(args, model, cuda, torch.float32, 60, budget=tight["peak"])
     assert speed.gradient_checkpointing and speed.micro_batch_size in (2, 4, 8, 16)
     explicit = dataclasses.replace(args, speed=dataclasses.replace(args.speed, micro_batch_size=2))
-    speed, lines = train.fit_memory(explicit, model, cuda, torch.float32, 60, budget=1)
+    speed, lines = trainer.fit_memory(explicit, model, cuda, torch.float32, 60, budget=1)
     assert (speed.micro_batch_size, speed.gradient_checkpointing) == (2, False)
     assert any(line.startswith("warning: the estimated peak") for line in lines)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CHECKPOINT, VLM_FAMILIES, lora_model_with_gradients, make_run, train_args
+from conftest import TINY_CHECKPOINT, VLM_FAMILIES
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer
 
@@ -33,8 +33,9 @@ import data
 import grpo
 import lora
 import model_io
+from full.conftest import lora_model_with_gradients, make_run, train_args
 from full.test_families import adapted
-from grpo_vlm import cli, distributed, files, memory, multiturn, speedups, tasks, tools, train
+from grpo_vlm import cli, distributed, files, memory, multiturn, speedups, tasks, tools, trainer
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,11 +212,11 @@ def test_tool_inserted_tokens_get_exactly_zero_gradient_and_normalisers_count_mo
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * (N // 4))  # by hand
     chunks = speedups.row_chunks(model, turns.inputs, turns.completion_ids, None, run.speed)
     fields = dict(texts=[], samples=[], reward=adv, components={}, adv=adv, chunks=chunks)
-    ro = train.Rollout(turns.inputs, turns.completion_ids, turns.mask, turns.truncated, **fields)
+    ro = trainer.Rollout(turns.inputs, turns.completion_ids, turns.mask, turns.truncated, **fields)
     norm = speedups.decoder_parts(model, 2)["norm"]
     hidden = []
     with norm.register_forward_hook(lambda module, args, out: hidden.append(out) or out.retain_grad()):
-        loss, _, _ = train.accumulate_policy_gradient(run, ro, args, beta=0.0)
+        loss, _, _ = trainer.accumulate_policy_gradient(run, ro, args, beta=0.0)
     grad = hidden[0].grad[:, -T - 1 : -1]  # (N, T, H): the positions that predict completion token t
     per_position = grad.abs().sum(-1)  # (N, T)
     assert bool((per_position[~turns.mask] == 0).all())  # tool turns and padding: exactly zero
@@ -364,7 +365,9 @@ def test_max_tool_calls_0_never_enters_the_multi_turn_rollout(tmp_path, monkeypa
         raise AssertionError("multiturn.sample was called")
 
     monkeypatch.setattr(multiturn, "sample", refuse)
-    train.main(train_args(output_dir=str(tmp_path / "run"), steps=1, batch_size=2, group_size=2, eval_size=2))
+    trainer.main(
+        train_args(output_dir=str(tmp_path / "run"), steps=1, batch_size=2, group_size=2, eval_size=2)
+    )
     lines = [(tmp_path / "run" / f"{name}.jsonl").read_text() for name in ("metrics", "rollouts")]
     assert "tools/" not in lines[0] and '"turns"' not in lines[1]
 
@@ -374,9 +377,9 @@ def test_a_run_with_tools_interrupted_and_resumed_equals_an_uninterrupted_one(
 ):
     monkeypatch.setattr(tools, "run_call", stand_in_call)
     flags = dict(TOOLS_RUN, model=str(tools_checkpoint), steps=3, micro_batch_size=3)
-    train.main(train_args(output_dir=str(tmp_path / "whole"), **flags))
+    trainer.main(train_args(output_dir=str(tmp_path / "whole"), **flags))
     assert "shared prefill is off" in capsys.readouterr().out
-    real_update, calls = train.policy_update, []
+    real_update, calls = trainer.policy_update, []
 
     def update_then_signal(*args, **kwargs):
         stats = real_update(*args, **kwargs)
@@ -385,11 +388,11 @@ def test_a_run_with_tools_interrupted_and_resumed_equals_an_uninterrupted_one(
             os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 2 is still running
         return stats
 
-    monkeypatch.setattr(train, "policy_update", update_then_signal)
+    monkeypatch.setattr(trainer, "policy_update", update_then_signal)
     with pytest.raises(SystemExit, match="stopped after step 2"):
-        train.main(train_args(output_dir=str(tmp_path / "cut"), **flags))
-    monkeypatch.setattr(train, "policy_update", real_update)
-    train.main(train_args(output_dir=str(tmp_path / "cut"), resume=str(tmp_path / "cut"), **flags))
+        trainer.main(train_args(output_dir=str(tmp_path / "cut"), **flags))
+    monkeypatch.setattr(trainer, "policy_update", real_update)
+    trainer.main(train_args(output_dir=str(tmp_path / "cut"), resume=str(tmp_path / "cut"), **flags))
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
     rows = [json.loads(line) for line in (tmp_path / "whole" / "rollouts.jsonl").read_text().splitlines()]
@@ -402,9 +405,9 @@ def test_a_run_with_tools_interrupted_and_resumed_equals_an_uninterrupted_one(
 
 def test_a_tokenizer_without_the_call_tags_and_dynamic_sampling_are_refused_with_tools(tmp_path):
     with pytest.raises(cli.UsageError, match="--tools: the tokenizer has no <tool_call> and </tool_call>"):
-        train.main(train_args(output_dir=str(tmp_path / "a"), steps=1, tools=("zoom",), max_tool_calls=1))
+        trainer.main(train_args(output_dir=str(tmp_path / "a"), steps=1, tools=("zoom",), max_tool_calls=1))
     with pytest.raises(cli.UsageError, match="--dynamic-sampling: cannot be combined with --max-tool-calls"):
-        train.main(train_args(output_dir=str(tmp_path / "b"), dynamic_sampling=True, **TOOLS_RUN))
+        trainer.main(train_args(output_dir=str(tmp_path / "b"), dynamic_sampling=True, **TOOLS_RUN))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -433,7 +436,7 @@ def test_evaluate_script_runs_tools_and_reports_the_calls(tools_checkpoint, tmp_
 B, WORLD = 2, 2
 
 
-def update_args(**flags) -> train.Args:
+def update_args(**flags) -> trainer.Args:
     flags = dict(
         TOOLS_RUN, group_size=G, batch_size=B, num_iterations=2, micro_batch_size=3, beta=0.04, **flags
     )
@@ -441,7 +444,7 @@ def update_args(**flags) -> train.Args:
 
 
 def keep_sampled(monkeypatch) -> list[multiturn.Rollouts]:
-    """multiturn.sample's results as train.tool_rollout draws them (the N rows' inputs, pixels included)."""
+    """multiturn.sample's results as trainer.tool_rollout draws them (the N rows' inputs, pixels included)."""
     sampled, sample = [], multiturn.sample
 
     def keep(*args, **kwargs) -> multiturn.Rollouts:
@@ -452,12 +455,12 @@ def keep_sampled(monkeypatch) -> list[multiturn.Rollouts]:
     return sampled
 
 
-def tool_run(checkpoint: Path, args: train.Args) -> train.Run:
-    """A run with the stand-in zoom on the tools checkpoint, as train.build_run makes it."""
+def tool_run(checkpoint: Path, args: trainer.Args) -> trainer.Run:
+    """A run with the stand-in zoom on the tools checkpoint, as trainer.build_run makes it."""
     model, tokenizer, image_processor = lora_model_with_gradients(checkpoint)
-    use = train.tool_use(args, model, tokenizer, image_processor, rank=1)
+    use = trainer.tool_use(args, model, tokenizer, image_processor, rank=1)
     fields = dict(tokenizer=tokenizer, image_processor=image_processor, tools=use, box_frame=None)
-    return make_run(model, args, reward_fns=train.resolve_rewards(args, "inspection"), **fields)
+    return make_run(model, args, reward_fns=trainer.resolve_rewards(args, "inspection"), **fields)
 
 
 def tensors_in(value) -> list[torch.Tensor]:
@@ -480,7 +483,7 @@ def test_a_tool_rollout_keeps_the_rows_pixels_only_where_a_log_prob_pass_reads_t
     run = tool_run(tools_checkpoint, args)
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, B, seed=0)
     torch.manual_seed(1)
-    ro = train.tool_rollout(run, prompts, args)
+    ro = trainer.tool_rollout(run, prompts, args)
     pixels = sampled[0].inputs["pixel_values"]  # (patches, D): the N rows' prompt and tool images
     assert sum(sampled[0].images_per_row) > sum(len(p["images"]) for p in prompts) * G  # tool images
     assert pixels.nbytes == memory.pixel_bytes(int(sampled[0].inputs["mm_token_type_ids"].sum()))
@@ -489,7 +492,7 @@ def test_a_tool_rollout_keeps_the_rows_pixels_only_where_a_log_prob_pass_reads_t
     # Under trunk reuse the trunk encoded them; the plain path's chunks read them (views of the one tensor).
     assert bool(held) == (not trunk_reuse)
     assert torch.equal(ro.inputs["image_grid_thw"], sampled[0].inputs["image_grid_thw"])
-    train.frozen_logprobs(run, ro, args)  # the passes read the chunks only
+    trainer.frozen_logprobs(run, ro, args)  # the passes read the chunks only
     assert torch.isfinite(ro.old_logp).all() and torch.isfinite(ro.ref_logp).all()
 
 
@@ -505,7 +508,7 @@ def rank_update(fixed_path: Path, checkpoint: Path, rank: int, world: int) -> di
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=10)
     run = make_run(model, args, optimizer=optimizer, scheduler=scheduler, rank=rank, world=world)
-    stats = train.policy_update(run, rank_rollout(run, fixed, args, rank, world), args, args.loss.beta)
+    stats = trainer.policy_update(run, rank_rollout(run, fixed, args, rank, world), args, args.loss.beta)
     return {
         "grads": [p.grad.clone() for p in params],
         "params": [p.detach().clone() for p in params],
@@ -524,8 +527,8 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     run = tool_run(tools_checkpoint, args)
     prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
-    ro = train.tool_rollout(run, prompts, args)
-    train.frozen_logprobs(run, ro, args)
+    ro = trainer.tool_rollout(run, prompts, args)
+    trainer.frozen_logprobs(run, ro, args)
     assert ro.inputs["image_grid_thw"].shape[0] > sum(len(p["images"]) for p in prompts) * G  # tool images
     for r in range(WORLD):  # otherwise a rank would have no policy-gradient signal to sum
         assert ro.adv[r * B * G : (r + 1) * B * G].abs().sum() > 0, "pick another seed"

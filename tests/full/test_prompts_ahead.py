@@ -8,8 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from grpo_vlm import train
-from tests.conftest import train_args
+from full.conftest import train_args
+from grpo_vlm import trainer
 
 CPU = torch.device("cpu")
 FLAGS = dict(device="cpu", train_size=8, eval_size=0, batch_size=2, group_size=2, max_new_tokens=4)
@@ -17,7 +17,7 @@ FLAGS = dict(device="cpu", train_size=8, eval_size=0, batch_size=2, group_size=2
 
 def built(tmp_path, **flags):
     args = train_args(output_dir=str(tmp_path / "run"), **(FLAGS | flags))
-    return train.build_run(args, CPU, torch.float32, 0, 1), args
+    return trainer.build_run(args, CPU, torch.float32, 0, 1), args
 
 
 def assert_same_batch(a, b):
@@ -28,30 +28,30 @@ def assert_same_batch(a, b):
 
 def test_the_batch_made_a_step_ahead_on_another_thread_equals_the_one_made_on_the_spot(tmp_path, monkeypatch):
     run, args = built(tmp_path, task="shapes")
-    threads, real = [], train.host_batch
+    threads, real = [], trainer.host_batch
     monkeypatch.setattr(
-        train, "host_batch", lambda *a: threads.append(threading.current_thread()) or real(*a)
+        trainer, "host_batch", lambda *a: threads.append(threading.current_thread()) or real(*a)
     )
-    with train.prompts_ahead(run, args, range(2, 5)) as prepared:
+    with trainer.prompts_ahead(run, args, range(2, 5)) as prepared:
         ahead = [prepared(step) for step in (2, 3, 4)]
     made_here = len(threads)
     for step, batch in zip((2, 3, 4), ahead):
-        assert_same_batch(batch, train.prompt_batch(run, train.step_prompts(run, step, args), args))
+        assert_same_batch(batch, trainer.prompt_batch(run, trainer.step_prompts(run, step, args), args))
     assert made_here == 3 and all(t is not threading.main_thread() for t in threads[:made_here])
     before = len(threads)
-    with train.prompts_ahead(run, args, range(2, 3)) as prepared:  # a step outside the range: made here
-        assert_same_batch(prepared(7), train.prompt_batch(run, train.step_prompts(run, 7, args), args))
+    with trainer.prompts_ahead(run, args, range(2, 3)) as prepared:  # a step outside the range: made here
+        assert_same_batch(prepared(7), trainer.prompt_batch(run, trainer.step_prompts(run, 7, args), args))
     # Made here: step 7 and the comparison's batch, both on the main thread, whenever the thread ahead
     # (step 2, on its own thread) runs.
     assert sum(t is threading.main_thread() for t in threads[before:]) == 2
 
 
 def test_every_training_step_takes_its_prompts_from_the_thread_ahead(tmp_path, monkeypatch):
-    made_on, real = [], train.host_batch
+    made_on, real = [], trainer.host_batch
     monkeypatch.setattr(
-        train, "host_batch", lambda *a: made_on.append(threading.current_thread()) or real(*a)
+        trainer, "host_batch", lambda *a: made_on.append(threading.current_thread()) or real(*a)
     )
-    train.main(train_args(output_dir=str(tmp_path / "run"), steps=3, **FLAGS))
+    trainer.main(train_args(output_dir=str(tmp_path / "run"), steps=3, **FLAGS))
     assert len(made_on) == 3 and threading.main_thread() not in made_on
 
 
@@ -60,13 +60,13 @@ def test_on_cuda_the_host_batch_is_pinned_and_copied_without_blocking(tmp_path, 
     pinned, copies = [], []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
     run.device = torch.device("cuda")  # a stand-in: the CPU build cannot copy there, the copy is recorded
-    batch = train.host_batch(run, train.step_prompts(run, 1, args), args)
+    batch = trainer.host_batch(run, trainer.step_prompts(run, 1, args), args)
     assert pinned == [v.shape for v in batch.inputs.values()] and "pixel_values" in batch.inputs
     monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking: copies.append(non_blocking))
-    train.to_device(batch, run.device)
+    trainer.to_device(batch, run.device)
     assert copies == [True] * len(batch.inputs)
     copies.clear()
-    train.to_device(batch, "meta")  # any other device: a plain copy
+    trainer.to_device(batch, "meta")  # any other device: a plain copy
     assert copies == [False] * len(batch.inputs)
 
 
@@ -95,16 +95,16 @@ def test_on_cuda_phases_are_timed_with_device_events_and_on_the_cpu_with_the_hos
     monkeypatch.setattr(Event, "recorded", [])
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
-    marks = [train.clock("cuda:1") for _ in range(3)]
+    marks = [trainer.clock("cuda:1") for _ in range(3)]
     assert all(isinstance(m, Event) for m in marks) and Event.recorded == ["stream of cuda:1"] * 3
-    assert train.seconds_between(marks[0], marks[2]) == 0.2
-    start = train.clock(CPU)
-    assert isinstance(start, float) and 0 <= train.seconds_between(start, train.clock(CPU)) < 1
+    assert trainer.seconds_between(marks[0], marks[2]) == 0.2
+    start = trainer.clock(CPU)
+    assert isinstance(start, float) and 0 <= trainer.seconds_between(start, trainer.clock(CPU)) < 1
 
 
 def test_a_steps_timings_are_read_from_the_clock_of_the_runs_device(tmp_path, monkeypatch):
     run, args = built(tmp_path)
     devices, ticks = [], iter([1.0, 3.0, 7.0])
-    monkeypatch.setattr(train, "clock", lambda device: devices.append(device) or next(ticks))
-    _, timings, _ = train.train_step(1, run, args, args.loss.beta)
+    monkeypatch.setattr(trainer, "clock", lambda device: devices.append(device) or next(ticks))
+    _, timings, _ = trainer.train_step(1, run, args, args.loss.beta)
     assert timings == {"step": 1, "rollout_s": 2.0, "update_s": 4.0} and devices == [CPU] * 3

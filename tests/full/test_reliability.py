@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 from PIL import Image
 
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
@@ -38,7 +38,7 @@ SMALL = dict(
 )
 
 
-def small_args(out: Path, **overrides) -> train.Args:
+def small_args(out: Path, **overrides) -> trainer.Args:
     return train_args(output_dir=str(out), **{**SMALL, **overrides})
 
 
@@ -61,7 +61,7 @@ def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("finished") / "run"
-    train.main(small_args(out, steps=2, save_every=1))
+    trainer.main(small_args(out, steps=2, save_every=1))
     return out
 
 
@@ -73,10 +73,10 @@ def finished_run(tmp_path_factory) -> Path:
 def test_a_signal_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_uninterrupted_one_bit_for_bit(
     tmp_path, monkeypatch, signum
 ):
-    train.main(small_args(tmp_path / "whole", steps=4, save_every=100))
+    trainer.main(small_args(tmp_path / "whole", steps=4, save_every=100))
 
     # The same run, with a real SIGTERM delivered to this process in the middle of step 2.
-    real_update, calls = train.policy_update, []
+    real_update, calls = trainer.policy_update, []
 
     def update_then_signal(*args, **kwargs):
         stats = real_update(*args, **kwargs)
@@ -85,16 +85,16 @@ def test_a_signal_finishes_the_step_checkpoints_and_the_resumed_run_equals_an_un
             os.kill(os.getpid(), signum)  # arrives while step 2 is still running
         return stats
 
-    monkeypatch.setattr(train, "policy_update", update_then_signal)
+    monkeypatch.setattr(trainer, "policy_update", update_then_signal)
     cut = tmp_path / "cut"
     previous_handler = signal.getsignal(signum)
     with pytest.raises(SystemExit, match=rf"stopped after step 2 \({signum.name}\).*--resume"):
-        train.main(small_args(cut, steps=4, save_every=100))
+        trainer.main(small_args(cut, steps=4, save_every=100))
     assert signal.getsignal(signum) is previous_handler  # the handler is not left behind
     assert [p.name for p in checkpoints.list_checkpoints(cut)] == ["checkpoint-000002"]
-    monkeypatch.setattr(train, "policy_update", real_update)
+    monkeypatch.setattr(trainer, "policy_update", real_update)
 
-    train.main(small_args(cut, steps=4, save_every=100, resume=str(cut)))
+    trainer.main(small_args(cut, steps=4, save_every=100, resume=str(cut)))
     assert (cut / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
     whole, resumed = adapter_tensors(tmp_path / "whole" / "adapter"), adapter_tensors(cut / "adapter")
     assert whole.keys() == resumed.keys()
@@ -108,7 +108,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_loadabl
     script = f"""
 import os, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
-from grpo_vlm import checkpoints, files, train
+from grpo_vlm import checkpoints, files, trainer
 real_write, calls = files.write_file, []
 def dying_write(path, content, **kwargs):
     calls.extend([path] if path.name == checkpoints.STATE_FILE else [])
@@ -119,8 +119,8 @@ def dying_write(path, content, **kwargs):
     return real_write(path, content, **kwargs)
 files.write_file = dying_write
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
-from conftest import train_args
-train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
+from full.conftest import train_args
+trainer.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
 """
     child = subprocess.run(
         [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300
@@ -132,7 +132,7 @@ train.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]  # step 2 was logged, its checkpoint never completed
 
-    train.main(small_args(out, steps=3, save_every=1, resume=str(out)))
+    trainer.main(small_args(out, steps=3, save_every=1, resume=str(out)))
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3]  # step 2 was dropped and redone, nothing duplicated
     assert not list(out.glob("*.tmp"))
@@ -189,7 +189,7 @@ def nan_loss_on_calls(calls_to_poison: set[int]):
 def test_a_nan_loss_skips_the_optimizer_step_logs_the_cause_and_training_continues(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "grpo_loss", nan_loss_on_calls({2}))  # the loss of step 2
     out = tmp_path / "run"
-    train.main(small_args(out, steps=3, save_every=1, keep_last=3))
+    trainer.main(small_args(out, steps=3, save_every=1, keep_last=3))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("skipped") for r in records[1:]] == ["", "non-finite loss", ""]
     before, after = adapter_tensors(out / "checkpoint-000001"), adapter_tensors(out / "checkpoint-000002")
@@ -202,7 +202,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_p
     monkeypatch.setattr(grpo, "grpo_loss", nan_loss_on_calls(set(range(1, 100))))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"stopped after step 2 \(2 bad steps in a row\)"):
-        train.main(small_args(out, steps=10, save_every=100, max_bad_steps=1))
+        trainer.main(small_args(out, steps=10, save_every=100, max_bad_steps=1))
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000002"]
 
 
@@ -222,16 +222,16 @@ def test_empty_and_truncated_completions_are_counted_and_mask_truncated_drops_th
         return ids, logp
 
     monkeypatch.setattr(grpo, "sample_completions", eos_first_or_never)
-    real_score, lengths_seen = train.rewards.score, []
+    real_score, lengths_seen = trainer.rewards.score, []
 
     def recording_score(*args, completion_lengths, **kwargs):
         lengths_seen.extend(completion_lengths)
         return real_score(*args, completion_lengths=completion_lengths, **kwargs)
 
-    monkeypatch.setattr(train.rewards, "score", recording_score)
+    monkeypatch.setattr(trainer.rewards, "score", recording_score)
     out = tmp_path / "run"
     # generate's sampler (patched above): the shared-prefill sampler would record a trunk for other tokens.
-    train.main(small_args(out, steps=1, eval_size=0, mask_truncated=True, shared_prefill=False))
+    trainer.main(small_args(out, steps=1, eval_size=0, mask_truncated=True, shared_prefill=False))
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["frac_empty"] == 0.5 and record["frac_truncated"] == 0.5
     # Rewards (e.g. DAPO's overlong penalty) see the real token counts, before truncated rows are masked.
@@ -255,7 +255,7 @@ def test_a_reward_that_raises_stops_the_run_naming_it_and_keeps_earlier_files_in
     out = tmp_path / "run"
     args = small_args(out, steps=3, save_every=1, eval_size=0, reward=("label", f"{plugin}:judge"))
     with pytest.raises(ConnectionError, match="unreachable") as info:
-        train.main(args)
+        trainer.main(args)
     assert any("reward" in note and "judge" in note for note in info.value.__notes__)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
@@ -333,7 +333,7 @@ def test_bad_data_stops_before_training_naming_file_and_line_and_damages_nothing
         run, steps=3, overwrite=True, data=(str(data_file),), reward=("label",), max_prompt_length=20
     )
     with pytest.raises((ValueError, FileNotFoundError), match=pattern):
-        train.main(args)
+        trainer.main(args)
     assert tree_digest(run) == before
 
 
@@ -343,7 +343,7 @@ def test_a_large_image_is_resized_to_the_processors_pixel_budget_not_rejected(tm
     )
     Image.new("RGB", (1400, 1400), "gray").save(tmp_path / "big.png")
     sample = {"images": [str(tmp_path / "big.png")], "prompt": "a", "_where": "big:1"}
-    batch = train.data.prepare_prompts([sample], tokenizer, image_processor, device="cpu")
+    batch = trainer.data.prepare_prompts([sample], tokenizer, image_processor, device="cpu")
     t, h, w = batch.inputs["image_grid_thw"][0].tolist()
     max_pixels = image_processor.size["longest_edge"]
     assert t * h * w * image_processor.patch_size**2 <= max_pixels
@@ -374,7 +374,7 @@ def test_bad_configuration_stops_with_a_clear_message_and_damages_nothing(
     before = tree_digest(run)
     with pytest.raises((ValueError, FileNotFoundError), match=pattern):
         where = {"resume": str(run)} if "resume" in overrides else {"overwrite": True}
-        train.main(small_args(run, steps=3, **{**overrides, **where}))
+        trainer.main(small_args(run, steps=3, **{**overrides, **where}))
     assert tree_digest(run) == before
 
 
@@ -386,10 +386,10 @@ def test_a_plug_in_with_the_wrong_signature_or_a_nan_value_is_named(tmp_path):
         "def text(completion, sample):\n    return 'good'\n"
     )
     with pytest.raises(ValueError, match="one_arg"):
-        train.main(small_args(tmp_path / "a", steps=1, reward=(f"{plugin}:one_arg",)))
+        trainer.main(small_args(tmp_path / "a", steps=1, reward=(f"{plugin}:one_arg",)))
     for name in ("nan", "text"):
         with pytest.raises(ValueError, match=rf"reward '{plugin}:{name}' returned .* completion 0"):
-            train.main(small_args(tmp_path / name, steps=1, eval_size=0, reward=(f"{plugin}:{name}",)))
+            trainer.main(small_args(tmp_path / name, steps=1, eval_size=0, reward=(f"{plugin}:{name}",)))
 
 
 def test_an_output_dir_holding_another_run_is_refused_unless_resume_or_overwrite(finished_run, tmp_path):
@@ -397,7 +397,7 @@ def test_an_output_dir_holding_another_run_is_refused_unless_resume_or_overwrite
     shutil.copytree(finished_run, run)
     before = tree_digest(run)
     with pytest.raises(cli.UsageError, match="already holds a run"):
-        train.main(small_args(run, steps=1))
+        trainer.main(small_args(run, steps=1))
     assert tree_digest(run) == before
 
 

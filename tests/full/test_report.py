@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import train_args
 from PIL import Image
 
-from grpo_vlm import checkpoints, report, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, report, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("accuracy", "format")
@@ -338,7 +338,7 @@ def short_run(folder: Path, **overrides) -> dict:
     """A real run of the trainer: 2 steps of 2 prompts x 2 completions, evaluated after each (seconds)."""
     flags = dict(output_dir=str(folder), device="cpu", train_size=8, eval_size=4, batch_size=2, group_size=2)
     flags |= dict(max_new_tokens=8, steps=2, eval_every=1, seed=0)
-    return train.main(train_args(**flags | overrides))
+    return trainer.main(train_args(**flags | overrides))
 
 
 def test_a_real_run_writes_its_report(tmp_path):
@@ -369,9 +369,9 @@ def test_run_json_records_each_start_with_its_command_and_the_report_shows_them(
     folder = tmp_path / "run"
     flags = dict(output_dir=str(folder), device="cpu", train_size=8, eval_size=4, batch_size=2, group_size=2)
     flags |= dict(max_new_tokens=8, eval_every=1, seed=0)
-    train.main(train_args(**flags, steps=2), (), ["--steps", "2", "--output-dir", str(folder)])
+    trainer.main(train_args(**flags, steps=2), (), ["--steps", "2", "--output-dir", str(folder)])
     again = ["--resume", str(folder), "--steps", "3"]
-    train.main(train_args(**flags | dict(output_dir=None), steps=3, resume=str(folder)), {"--steps"}, again)
+    trainer.main(train_args(**flags | dict(output_dir=None), steps=3, resume=str(folder)), {"--steps"}, again)
     record = json.loads((folder / "run.json").read_text())
     starts = record["starts"]
     assert [s["from_step"] for s in starts] == [0, 2]

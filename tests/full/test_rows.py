@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_run
 
 import grpo
+from full.conftest import make_run
 from full.test_train import load_tiny_with_lora, make_rollout, small_args
-from grpo_vlm import speedups, tasks, train
+from grpo_vlm import speedups, tasks, trainer
 
 PATHS = {  # (shared_prefill, trunk_reuse): whether a log-prob pass reads the rows' pixels
     "recorded trunk (default)": ((True, True), False),
@@ -54,7 +54,7 @@ def vlm_with_adapters():
     return model, tokenizer, image_processor
 
 
-def logprobs_of_chunks(run: train.Run, chunks: list[speedups.RowChunk]) -> torch.Tensor:
+def logprobs_of_chunks(run: trainer.Run, chunks: list[speedups.RowChunk]) -> torch.Tensor:
     with torch.no_grad():
         return torch.cat(
             [speedups.chunk_logprobs(run.model, c, run.speed, temperature=1.0)[0] for c in chunks]
@@ -69,12 +69,12 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
     model, tokenizer, image_processor = vlm_with_adapters()
     args = small_args(tmp_path, group_size=2, max_new_tokens=12, temperature=1.0)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor)
-    run.reward_fns = train.resolve_rewards(args, "inspection")
+    run.reward_fns = trainer.resolve_rewards(args, "inspection")
     pool = tasks.make_task("inspection", 64, seed=0)
     by_images = {k: [s for s in pool if len(s["images"]) == k] for k in (1, 2, 4)}
     rounds = [[by_images[1][0], by_images[4][0]], [by_images[1][1], by_images[2][0]]]
     torch.manual_seed(1)
-    sampled = [train.rollout(run, prompts, args) for prompts in rounds]
+    sampled = [trainer.rollout(run, prompts, args) for prompts in rounds]
     assert (
         sampled[0].recording is not None
         and sampled[0].prompts.prompt_length > sampled[1].prompts.prompt_length
@@ -86,7 +86,7 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
     ) -> tuple:  # round k's group g, as groups_with_signal keeps it
         ro, rows = sampled[k], slice(g * G, (g + 1) * G)
         recording = (ro.recording[rows], ro.prompts.prompt_length) if recorded else None
-        return rounds[k][g], train.group_lists(ro, rows), recording
+        return rounds[k][g], trainer.group_lists(ro, rows), recording
 
     captured = []
     real_capture = speedups.capture_trunk
@@ -105,7 +105,7 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
     for name, (choice, captures) in choices.items():
         captured.clear()
         samples, groups, recorded = map(list, zip(*[kept(*c) for c in choice]))
-        ro = train.rollout_of_groups(run, samples, groups, recorded, args)
+        ro = trainer.rollout_of_groups(run, samples, groups, recorded, args)
         assert len(captured) == captures, name
         shapes.append((ro.prompts.prompt_length, ro.completion_ids.shape[1]))
         ours = logprobs_of_chunks(run, ro.chunks)
@@ -128,6 +128,6 @@ def test_dynamic_sampling_in_one_process_trains_on_the_recorded_trunks_and_runs_
     args = small_args(
         tmp_path / "run", dynamic_sampling=True, max_sampling_rounds=3, eval_size=0, group_size=2
     )
-    train.main(args)
+    trainer.main(args)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2] and max(r["dynamic/rounds"] for r in records[1:]) > 1

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import train_args
 
-from grpo_vlm import checkpoints, cli, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
@@ -132,10 +132,10 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
     assert first.returncode == 0, first.stderr[-2000:]
     recorded, before = json.loads((out / "run.json").read_text()), tree_digest(out)
 
-    # The command line of `python -m grpo_vlm --resume DIR ...` (train.command_line), in this process.
+    # The command line of `python -m grpo_vlm --resume DIR ...` (trainer.command_line), in this process.
     refused = ["--resume", str(out), "--steps", "4", "--batch-size", "16", "--lr", "0.001"]
     with pytest.raises(cli.UsageError) as error:
-        train.main(train.command_line(refused))
+        trainer.main(trainer.command_line(refused))
     assert str(error.value) == (
         f"--resume {out}: these flags differ from the recorded run: --batch-size recorded 2, given 16; "
         "--lr recorded 0.002, given 0.001"
@@ -155,7 +155,7 @@ def test_resume_with_only_the_folder_continues_the_recorded_run_and_refuses_a_ch
 
     before = tree_digest(out)
     capsys.readouterr()
-    assert train.main(train.command_line(["--resume", str(out)])) == {}
+    assert trainer.main(trainer.command_line(["--resume", str(out)])) == {}
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         f"{out}: the run is finished at step 4; to train further: python -m grpo_vlm --resume {out} "
         "--steps M (M > 4)"
@@ -204,18 +204,18 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_and_the_fixed_run_resum
         "    return float(len(completion) % 2)\n"
     )
     flags = dict(SMALL, steps=3, reward=(f"{plugin}:judge",), save_every=100)
-    train.main(train_args(output_dir=str(tmp_path / "whole"), **flags))
+    trainer.main(train_args(output_dir=str(tmp_path / "whole"), **flags))
 
     out = tmp_path / "run"
     broken.touch()
     with pytest.raises(ValueError, match="judge is broken") as failure:
-        train.main(train_args(output_dir=str(out), **flags))
+        trainer.main(train_args(output_dir=str(out), **flags))
     assert failure.value.user_message.endswith(
         f"checkpoint of step 1 written. Once that is fixed, continue with: python -m grpo_vlm --resume {out}"
     )
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
     broken.unlink()
-    train.main(train_args(output_dir=str(out), resume=str(out), **flags))
+    trainer.main(train_args(output_dir=str(out), resume=str(out), **flags))
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         assert (out / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
 
@@ -232,7 +232,7 @@ def test_a_folder_without_run_json_is_never_written_into_even_with_overwrite(tmp
     before = tree_digest(out)
     for overwrite in (False, True):
         with pytest.raises(cli.UsageError, match=f"{out} is not a run folder of this project"):
-            train.main(train_args(output_dir=str(out), overwrite=overwrite, steps=1, **SMALL))
+            trainer.main(train_args(output_dir=str(out), overwrite=overwrite, steps=1, **SMALL))
         assert tree_digest(out) == before
         assert sorted(p.name for p in out.iterdir()) == sorted(
             ["adapter", "checkpoint-best", "tensorboard", "thumbs"]
@@ -242,7 +242,7 @@ def test_a_folder_without_run_json_is_never_written_into_even_with_overwrite(tmp
 
 def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, capsys):
     out = tmp_path / "run"
-    train.main(train_args(output_dir=str(out), steps=1, **SMALL))
+    trainer.main(train_args(output_dir=str(out), steps=1, **SMALL))
     foreign = out / "checkpoint-000099"  # another run's checkpoint, and a file of the user's
     checkpoints.save_checkpoint(
         foreign, write_adapter=lambda d: None, state={"step": 99}, keep_last=None, run_id="x"
@@ -250,7 +250,7 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
     (out / "notes.txt").write_text("mine")
     (out / "report.html").write_text("<html>the run's report</html>")  # the trainer's, at a checkpoint
     capsys.readouterr()
-    train.main(train_args(output_dir=str(out), steps=1, overwrite=True, **SMALL))
+    trainer.main(train_args(output_dir=str(out), steps=1, overwrite=True, **SMALL))
     printed = capsys.readouterr().out
     assert (
         "replaced the previous run: removed adapter, checkpoint-000001, curves.png, metrics.jsonl, "
@@ -263,11 +263,11 @@ def test_overwrite_removes_only_the_runs_own_files_and_lists_them(tmp_path, caps
 def test_an_unusable_output_folder_or_run_json_is_one_line_naming_it(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(cli.UsageError, match=f"^--output-dir: {tmp_path / 'file'} is a file, not a folder$"):
-        train.main(train_args(output_dir=str(tmp_path / "file" / "sub"), steps=1, **SMALL))
+        trainer.main(train_args(output_dir=str(tmp_path / "file" / "sub"), steps=1, **SMALL))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "run.json").write_text("{garbage")
     garbage = f"^{tmp_path / 'run' / 'run.json'}: not a run record of this project"
     for command_line in (["--resume", str(tmp_path / "run")], ["--output-dir", str(tmp_path / "run")]):
         with pytest.raises(cli.UsageError, match=garbage):
-            train.main(train.command_line(command_line))
+            trainer.main(trainer.command_line(command_line))
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "run", "run.json"]

@@ -7,11 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CHECKPOINT, train_args
+from conftest import TINY_CHECKPOINT
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from grpo_vlm import dataset, tasks, thumbnails, train
+from full.conftest import train_args
+from grpo_vlm import dataset, tasks, thumbnails, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(train_size=16, batch_size=2, group_size=2, max_new_tokens=8, save_every=100)
@@ -37,7 +38,7 @@ def photo(size: tuple[int, int], seed: int = 0) -> Image.Image:
 
 def test_records_carry_the_samples_prompt_target_and_thumbnails_and_eval_samples_match_the_metrics(tmp_path):
     out = tmp_path / "run"
-    train.main(train_args(output_dir=str(out), steps=2, eval_size=4, eval_every=1, **SMALL))
+    trainer.main(train_args(output_dir=str(out), steps=2, eval_size=4, eval_every=1, **SMALL))
     train_samples = {s["id"]: s for s in tasks.make_task("inspection", 16, seed=0)}
     held_out = tasks.make_task("inspection", 4, split="test", seed=0)
 
@@ -74,10 +75,10 @@ def test_records_carry_the_samples_prompt_target_and_thumbnails_and_eval_samples
 def test_resume_trims_eval_samples_to_the_checkpoint_and_redoes_the_later_evaluations(tmp_path):
     flags = dict(SMALL, steps=2, eval_size=2, eval_every=1, save_every=1, keep_last=5)
     whole, out = tmp_path / "whole", tmp_path / "cut"
-    train.main(train_args(output_dir=str(whole), **flags))
-    train.main(train_args(output_dir=str(out), **flags))
+    trainer.main(train_args(output_dir=str(whole), **flags))
+    trainer.main(train_args(output_dir=str(out), **flags))
     shutil.rmtree(out / "checkpoint-000002")  # the newest checkpoint lost: the run resumes from step 1
-    train.main(train_args(output_dir=str(out), resume=str(out), **flags))
+    trainer.main(train_args(output_dir=str(out), resume=str(out), **flags))
     assert [r["step"] for r in lines(out / "eval_samples.jsonl")] == [0, 0, 1, 1, 2, 2]
     assert (out / "eval_samples.jsonl").read_bytes() == (whole / "eval_samples.jsonl").read_bytes()
     assert (out / "rollouts.jsonl").read_bytes() == (whole / "rollouts.jsonl").read_bytes()
@@ -89,21 +90,21 @@ def test_a_moved_image_file_gives_an_error_entry_and_the_step_is_still_logged(tm
     photo((56, 56)).save(folder / "kept.png")
     photo((56, 56), seed=1).save(folder / "moved.png")
     sample = {"images": ["kept.png", "moved.png"], "prompt": "inspect", "label": "通过", "answer": "通过"}
-    (folder / "train.jsonl").write_text(
+    (folder / "trainer.jsonl").write_text(
         "".join(json.dumps({**sample, "id": f"s{i}"}) + "\n" for i in range(4))
     )
-    real = train.logged_fields
+    real = trainer.logged_fields
 
     def moved_after_the_rollout(*args, **kwargs):  # gone after the step read it: the logger finds no file
         (folder / "moved.png").unlink(missing_ok=True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train, "logged_fields", moved_after_the_rollout)
+    monkeypatch.setattr(trainer, "logged_fields", moved_after_the_rollout)
     out = tmp_path / "run"
     flags = dict(SMALL, train_size=4, eval_size=0)
-    train.main(
+    trainer.main(
         train_args(
-            output_dir=str(out), steps=1, data=(str(folder / "train.jsonl"),), reward=("label",), **flags
+            output_dir=str(out), steps=1, data=(str(folder / "trainer.jsonl"),), reward=("label",), **flags
         )
     )
     assert [r["step"] for r in lines(out / "metrics.jsonl")] == [0, 1]
@@ -175,9 +176,9 @@ def test_past_the_seen_budget_a_picture_keeps_its_thumbnail_and_no_seen_copy(
 def test_a_resumed_run_counts_the_seen_files_already_in_its_folder(tmp_path, monkeypatch):
     flags = dict(SMALL, steps=2, eval_size=0, save_every=1, log_completions_every=1)
     out = tmp_path / "run"
-    train.main(train_args(output_dir=str(out), **dict(flags, steps=1)))
+    trainer.main(train_args(output_dir=str(out), **dict(flags, steps=1)))
     monkeypatch.setattr(thumbnails, "SEEN_BYTES", thumbnails.seen_bytes_in(out))  # spent by step 1
-    train.main(train_args(output_dir=str(out), resume=str(out), **flags))
+    trainer.main(train_args(output_dir=str(out), resume=str(out), **flags))
     step_2 = [r for r in lines(out / "rollouts.jsonl") if r["step"] == 2]
     new = [
         e for r in step_2 for e in r["thumbs"] if not (out / e["thumb"].replace(".jpg", "-seen.jpg")).exists()
@@ -192,16 +193,16 @@ def test_a_resumed_run_counts_the_seen_files_already_in_its_folder(tmp_path, mon
 def test_grounding_records_carry_the_completions_boxes_in_original_pixels(tmp_path, image_processor):
     photo((333, 517)).save(tmp_path / "tall.png")
     sample = {"images": [str(tmp_path / "tall.png")], "prompt": "find it", "bbox": [10, 20, 110, 220]}
-    run = train.Run(model=None, image_processor=image_processor, box_frame="absolute")
+    run = trainer.Run(model=None, image_processor=image_processor, box_frame="absolute")
     w, h = dataset.resized_size(
         image_processor, (333, 517)
     )  # the absolute frame: pixels of the resized image
     completion = f"<answer>[{w / 2}, {h / 4}, {w}, {h / 2}]</answer>"
     for given in (sample, dataset.with_grounding([sample], image_processor, "absolute")[0]):
-        extras, _, _ = train.logged_fields(run, [given], [completion])
+        extras, _, _ = trainer.logged_fields(run, [given], [completion])
         assert extras[0]["target"] == {"bbox": [10, 20, 110, 220]}
         assert extras[0]["boxes_parsed"] == [pytest.approx([333 / 2, 517 / 4, 333, 517 / 2], abs=1e-9)]
-    extras, _, _ = train.logged_fields(run, [sample], ["no box"])
+    extras, _, _ = trainer.logged_fields(run, [sample], ["no box"])
     assert extras[0]["boxes_parsed"] == []
 
 
@@ -210,7 +211,7 @@ def test_a_tool_runs_returned_crops_carry_thumbnails_in_rollouts_and_eval_sample
     model = str(ROOT / "assets" / "tiny-qwen2.5-vl-tools")
     flags = dict(SMALL, train_size=4, eval_size=2, max_new_tokens=48, eval_every=1)
     flags |= dict(model=model, task="inspection-zoom", tools=("zoom",), max_tool_calls=1)
-    train.main(train_args(output_dir=str(out), steps=1, **flags))
+    trainer.main(train_args(output_dir=str(out), steps=1, **flags))
     records = lines(out / "rollouts.jsonl") + lines(out / "eval_samples.jsonl")
     assert all("turns" in r for r in records)
     returned = [i for r in records for t in r["turns"] if (c := t.get("call")) for i in c["images"]]

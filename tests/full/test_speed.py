@@ -2,7 +2,7 @@
 tolerance).
 
 Frozen-trunk reuse (speedups.capture_trunk + speedups.trunk_logprobs) against the full forward of
-grpo.completion_logprobs, micro-batching (train.accumulate_policy_gradient) against one unchunked backward,
+grpo.completion_logprobs, micro-batching (trainer.accumulate_policy_gradient) against one unchunked backward,
 and gradient checkpointing against no checkpointing. Models: the random Qwen2.5-VL (6 blocks, with images) and
 the random Qwen2 causal LM (4 blocks, left padding) from conftest.py, LoRA in the last K = 2 blocks with
 B != 0.
@@ -16,14 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm, make_run, train_args
+from conftest import IMAGE_PAD_ID, VOCAB, make_random_causal_lm, make_random_vlm
 from test_grpo import ALL_LOSS_TYPES, SUPPRESS, hand_completions, text_inputs, vlm_inputs
 from transformers import StaticCache
 
 import data
 import grpo
 import lora
-from grpo_vlm import speedups, train
+from full.conftest import make_run, train_args
+from grpo_vlm import speedups, trainer
 
 K = 2  # adapted blocks
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,8 +140,8 @@ def test_a_trunk_step_encodes_each_prompts_images_once_not_once_per_row(micro_ba
     encoded = count_encoded_images(model)
     run = make_run(model, args)
     ro.chunks = speedups.row_chunks(run.model, ro.inputs, ro.completion_ids, None, run.speed)
-    train.frozen_logprobs(run, ro, args)  # old policy (mu = 2) and reference (beta > 0)
-    train.accumulate_policy_gradient(run, ro, args, 0.1)
+    trainer.frozen_logprobs(run, ro, args)  # old policy (mu = 2) and reference (beta > 0)
+    trainer.accumulate_policy_gradient(run, ro, args, 0.1)
     # B * images once per step; micro-batches of 4 + 2 rows encode prompt 1 (1 image) in both chunks.
     assert encoded == expected
 
@@ -566,7 +567,7 @@ def test_split_rows_gives_each_chunk_exactly_its_own_images(chunk_size):
     torch.testing.assert_close(torch.cat(pieces), whole, atol=1e-5, rtol=0)
 
 
-def hand_rollout(model, args: train.Args) -> train.Rollout:
+def hand_rollout(model, args: trainer.Args) -> trainer.Rollout:
     """A rollout of the random VLM with off-policy old_logp and a distinct ref_logp, so every term is live."""
     inputs, ids = inputs_for("vlm"), hand_completions()
     mask, truncated = grpo.completion_mask(ids, eos_token_id=1)
@@ -577,7 +578,7 @@ def hand_rollout(model, args: train.Args) -> train.Rollout:
     ref_logp = logp + 0.3 * torch.randn(logp.shape, generator=gen)
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0, 0.7, 0.2])
     chunks = speedups.row_chunks(model, inputs, ids, None, make_run(model, args).speed)
-    return train.Rollout(
+    return trainer.Rollout(
         prompts=data.PromptBatch(inputs_for("vlm", 1), images_per_row=[2, 1]),  # the B = 2 prompts
         completion_ids=ids,
         mask=mask,
@@ -610,7 +611,7 @@ def test_micro_batched_gradients_equal_unchunked_for_every_loss_type(loss_type):
             micro_batch_size=micro_batch_size,
         )
         model.zero_grad(set_to_none=True)
-        loss, stats, entropy = train.accumulate_policy_gradient(
+        loss, stats, entropy = trainer.accumulate_policy_gradient(
             make_run(model, args), hand_rollout(model, args), args, 0.1
         )
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -646,7 +647,7 @@ def test_gradient_checkpointing_gives_identical_gradients_with_lora_dropout():
         )
 
     assert_same(run(True), run(False), atol=1e-6)
-    # The plain path uses transformers' own (non-reentrant) checkpointing, as train.main sets it up.
+    # The plain path uses transformers' own (non-reentrant) checkpointing, as trainer.main sets it up.
     torch.manual_seed(0)
     plain = logprobs_and_grads(
         model, lambda: grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=True)

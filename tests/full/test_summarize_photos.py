@@ -3,7 +3,7 @@
 The folder trees are generated in tmp_path. Each summary is checked against an independent reference (the
 model asked about that photo alone, through transformers' `generate`); resuming is checked with a torn line
 written by hand and with a process that dies in the middle of writing a line; the last test trains stage B
-(train.main) on the file stage A wrote, unconverted.
+(trainer.main) on the file stage A wrote, unconverted.
 """
 
 import dataclasses
@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_args
 from PIL import Image, ImageDraw
 
 import data
 import grpo
 import model_io
-from grpo_vlm import cli, tasks, train
+from full.conftest import train_args
+from grpo_vlm import cli, tasks, trainer
 from scripts import summarize_photos as sp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -409,7 +409,7 @@ def test_stage_b_trains_on_stage_a_output_without_conversion(tmp_path):
     out = tmp_path / "out" / "summaries.jsonl"
     sp.main(small_args(tmp_path, photos, labels=str(labels)))
 
-    summary = train.main(
+    summary = trainer.main(
         train_args(
             data=(str(out),),
             prompt_template=str(ROOT / "assets" / "summaries_template.txt"),

@@ -20,20 +20,20 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import make_run, train_args
 from PIL import Image
 
 import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, speedups, tasks, train
+from full.conftest import make_run, train_args
+from grpo_vlm import checkpoints, cli, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
-def small_args(output_dir: Path, **overrides) -> train.Args:
+def small_args(output_dir: Path, **overrides) -> trainer.Args:
     """A run that takes a second or two on the tiny model."""
     kwargs = dict(
         output_dir=str(output_dir),
@@ -65,16 +65,16 @@ def lora_modules(model) -> dict[str, lora.LoRALinear]:
 
 
 def make_rollout(
-    model, tokenizer, image_processor, args: train.Args, *, step: int = 0
-) -> tuple[train.Run, train.Rollout]:
+    model, tokenizer, image_processor, args: trainer.Args, *, step: int = 0
+) -> tuple[trainer.Run, trainer.Rollout]:
     """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
     samples = tasks.make_task(args.samples.task, args.samples.train_size, seed=args.seed)
     prompts = data.batch_for_step(samples, step, args.batch_size, args.seed)
-    reward_fns = train.resolve_rewards(args, args.samples.task)
+    reward_fns = trainer.resolve_rewards(args, args.samples.task)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
     torch.manual_seed(1000 + step)  # the sampling draws
-    ro = train.rollout(run, prompts, args)
-    train.frozen_logprobs(run, ro, args)
+    ro = trainer.rollout(run, prompts, args)
+    trainer.frozen_logprobs(run, ro, args)
     # Otherwise the policy-gradient term is zero and nothing below would be tested.
     assert ro.adv.abs().sum() > 0, "pick another seed: every group of this rollout has zero reward variance"
     return run, ro
@@ -113,7 +113,7 @@ def test_every_sampling_and_recompute_path_gives_the_same_rollout_and_gradient(t
                     m.lora_B.weight.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(5))
             run, ro = make_rollout(model, tokenizer, image_processor, args)
             model.zero_grad(set_to_none=True)
-            loss, _, _ = train.accumulate_policy_gradient(run, ro, args, args.loss.beta)
+            loss, _, _ = trainer.accumulate_policy_gradient(run, ro, args, args.loss.beta)
             grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
             results[shared_prefill, trunk_reuse] = (ro, loss, grads)
     ro, loss, grads = results[False, False]  # generate + full forwards: the plain path
@@ -139,7 +139,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
 
     run, ro = make_rollout(model, tokenizer, image_processor, args, step=0)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.loss.beta)
+    trainer.policy_update(run, ro, args, args.loss.beta)
     after_one = snapshot(model)
     # Step 1: B = 0, so dL/dA = B^T (dL/dy) x^T is exactly 0. AdamW with a zero gradient and weight_decay 0
     # leaves a parameter bit-for-bit unchanged (exp_avg = 0, the update is 0 / (0 + eps)), so every A is
@@ -150,7 +150,7 @@ def test_training_steps_change_every_lora_tensor_and_no_base_or_vision_tensor(tm
 
     run, ro = make_rollout(model, tokenizer, image_processor, args, step=1)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.loss.beta)
+    trainer.policy_update(run, ro, args, args.loss.beta)
     after_two = snapshot(model)
     # Step 2: B != 0 now, so A gets a gradient too: every LoRA tensor has changed.
     for name in lora_modules(model):
@@ -273,7 +273,7 @@ def test_policy_update_passes_pixels_grids_and_mm_token_types_to_the_full_forwar
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr)
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=1)
     run.optimizer, run.scheduler = optimizer, scheduler
-    train.policy_update(run, ro, args, args.loss.beta)
+    trainer.policy_update(run, ro, args, args.loss.beta)
     hook.remove()
 
     assert len(seen_inputs) == 1 and len(seen_forward) == 1  # one recompute, with grad, of all N rows
@@ -423,7 +423,7 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("e2e") / "run"
-    summary = train.main(small_args(out, steps=3, save_every=2, eval_every=2))
+    summary = trainer.main(small_args(out, steps=3, save_every=2, eval_every=2))
     return out, summary
 
 
@@ -460,7 +460,7 @@ def test_second_run_into_the_same_output_dir_refuses_and_leaves_metrics_untouche
     out, _ = finished_run
     before = (out / "metrics.jsonl").read_bytes()
     with pytest.raises(cli.UsageError, match="already holds a run"):
-        train.main(small_args(out, steps=1))
+        trainer.main(small_args(out, steps=1))
     assert (out / "metrics.jsonl").read_bytes() == before
 
 
@@ -468,9 +468,9 @@ def test_resume_continues_at_the_next_step_and_reproduces_an_uninterrupted_run(t
     # warmup_steps (5) > steps, so the learning rate does not depend on `steps` and the runs are comparable.
     common = dict(save_every=1, eval_every=1, warmup_steps=5)
     interrupted, straight = tmp_path / "interrupted", tmp_path / "straight"
-    train.main(small_args(interrupted, steps=2, **common))
-    train.main(small_args(interrupted, steps=4, resume=str(interrupted), **common))
-    train.main(small_args(straight, steps=4, **common))
+    trainer.main(small_args(interrupted, steps=2, **common))
+    trainer.main(small_args(interrupted, steps=4, resume=str(interrupted), **common))
+    trainer.main(small_args(straight, steps=4, **common))
 
     resumed = read_metrics(interrupted)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
@@ -483,8 +483,8 @@ def test_resume_continues_at_the_next_step_and_reproduces_an_uninterrupted_run(t
 
 def test_overwrite_replaces_the_previous_runs_checkpoints(tmp_path):
     out = tmp_path / "run"
-    train.main(small_args(out, steps=3, save_every=1, keep_last=2))
-    train.main(small_args(out, steps=1, save_every=1, keep_last=2, overwrite=True))
+    trainer.main(small_args(out, steps=3, save_every=1, keep_last=2))
+    trainer.main(small_args(out, steps=1, save_every=1, keep_last=2, overwrite=True))
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
     # Stale checkpoints of the old run would outrank the new one: pruning would delete it, resume load them.
     assert [p.name for p in checkpoints.list_checkpoints(out)] == ["checkpoint-000001"]
@@ -501,7 +501,7 @@ def test_dry_run_changes_no_weight_and_writes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lora, "inject_lora", inject_and_snapshot)
     out = tmp_path / "run"
-    result = train.main(small_args(out, dry_run=True))
+    result = trainer.main(small_args(out, dry_run=True))
     assert math.isfinite(result["loss"])
     after = captured["model"].state_dict()
     assert after.keys() == captured["state"].keys()
@@ -511,7 +511,7 @@ def test_dry_run_changes_no_weight_and_writes_nothing(tmp_path, monkeypatch):
 
 def test_shapes_task_trains_one_step(tmp_path):
     out = tmp_path / "run"
-    summary = train.main(small_args(out, task="shapes", steps=1))
+    summary = trainer.main(small_args(out, task="shapes", steps=1))
     records = read_metrics(out)
     assert summary["steps"] == 1 and [r["step"] for r in records] == [0, 1]
     assert math.isfinite(records[1]["loss"]) and "reward/answer_match/mean" in records[1]
@@ -529,7 +529,7 @@ def test_each_loss_type_runs_and_mu_2_starts_from_a_ratio_of_one(tmp_path, monke
 
     monkeypatch.setattr(grpo, "grpo_loss", spy)
     out = tmp_path / "run"
-    train.main(small_args(out, steps=1, loss_type=loss_type, num_iterations=2, eval_size=4))
+    trainer.main(small_args(out, steps=1, loss_type=loss_type, num_iterations=2, eval_size=4))
     record = read_metrics(out)[1]
     assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])
     assert len(calls) == 2  # mu = 2 optimizer steps on the one rollout
@@ -551,7 +551,7 @@ def test_seeded_short_run_raises_held_out_greedy_accuracy(tmp_path):
     # samples. Measured: 0.42 -> 0.70 with this seed, ~25 s on an idle 2-core CPU.
     out = tmp_path / "run"
     t0 = time.time()
-    summary = train.main(
+    summary = trainer.main(
         small_args(
             out,
             steps=50,
@@ -609,7 +609,7 @@ def test_a_steps_rollout_is_freed_before_the_next_step_samples(tmp_path, monkeyp
     """Peak memory holds one rollout (its chunks, trunk recordings, images), never two: the loop lets go of a
     step's Rollout before the next train_step starts."""
     alive_at_start, previous = [], []
-    real_step = train.train_step
+    real_step = trainer.train_step
 
     def step_watched(step, run, args, beta, **options):
         gc.collect()
@@ -618,7 +618,7 @@ def test_a_steps_rollout_is_freed_before_the_next_step_samples(tmp_path, monkeyp
         previous.append(weakref.ref(ro))
         return record, timings, ro
 
-    monkeypatch.setattr(train, "train_step", step_watched)
+    monkeypatch.setattr(trainer, "train_step", step_watched)
     flags = dict(steps=3, batch_size=2, group_size=2, max_new_tokens=4, eval_size=0, train_size=8)
-    train.main(train_args(output_dir=str(tmp_path / "run"), **flags))
+    trainer.main(train_args(output_dir=str(tmp_path / "run"), **flags))
     assert alive_at_start == [[], [False], [False, False]]

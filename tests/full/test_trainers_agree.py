@@ -13,13 +13,13 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import lora_model_with_gradients, make_run, train_args
 
 import data
 import model_io
 import rewards
 import train
-from grpo_vlm import train as full
+from full.conftest import lora_model_with_gradients, make_run, train_args
+from grpo_vlm import trainer as full
 
 B, G, T, SEED, LR = 4, 4, 16, 3, 2e-3
 GSPO = dict(loss_type="grpo", importance_sampling_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from conftest import train_args
 
 import grpo
+from full.conftest import train_args
 
 COMMON = dict(clip_eps_low=0.2, clip_eps_high=0.28, beta=0.0)
 
@@ -223,7 +223,7 @@ VARIANT_FLAGS = {
 
 @pytest.mark.parametrize("variant", VARIANT_FLAGS)
 def test_every_variant_trains_end_to_end_without_a_skipped_step(tmp_path, variant):
-    from grpo_vlm import train
+    from grpo_vlm import trainer
 
     args = train_args(
         output_dir=str(tmp_path / "run"),
@@ -237,7 +237,7 @@ def test_every_variant_trains_end_to_end_without_a_skipped_step(tmp_path, varian
         warmup_steps=1,
         **VARIANT_FLAGS[variant],
     )
-    train.main(args)
+    trainer.main(args)
     records = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and '"skipped": ""' in records[-1]
 
@@ -270,11 +270,11 @@ def dynamic_args(out, plugin, **overrides):
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_more_prompts(tmp_path):
-    from grpo_vlm import train
+    from grpo_vlm import trainer
 
     plugin = tmp_path / "half.py"
     plugin.write_text(HALF_CONSTANT)
-    train.main(dynamic_args(tmp_path / "run", plugin))
+    trainer.main(dynamic_args(tmp_path / "run", plugin))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][1:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     assert any(r["dynamic/groups_sampled"] > 2 for r in records)  # some step needed a second round
@@ -293,11 +293,11 @@ def test_dynamic_sampling_drops_groups_without_signal_and_replaces_them_from_mor
 
 
 def test_dynamic_sampling_stops_after_the_bounded_rounds_and_trains_on_what_there_is(tmp_path):
-    from grpo_vlm import train
+    from grpo_vlm import trainer
 
     plugin = tmp_path / "constant.py"
     plugin.write_text("def reward(completion, sample):\n    return 1.0\n")
-    train.main(dynamic_args(tmp_path / "run", plugin, steps=1, max_sampling_rounds=2))
+    trainer.main(dynamic_args(tmp_path / "run", plugin, steps=1, max_sampling_rounds=2))
     (record,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][
         1:
     ]
@@ -305,12 +305,12 @@ def test_dynamic_sampling_stops_after_the_bounded_rounds_and_trains_on_what_ther
 
 
 def test_dynamic_sampling_resumes_exactly(tmp_path):
-    from grpo_vlm import train
+    from grpo_vlm import trainer
 
     plugin = tmp_path / "half.py"
     plugin.write_text(HALF_CONSTANT)
-    train.main(dynamic_args(tmp_path / "whole", plugin))
-    train.main(dynamic_args(tmp_path / "cut", plugin, steps=2))
-    train.main(dynamic_args(tmp_path / "cut", plugin, steps=3, resume=str(tmp_path / "cut")))
+    trainer.main(dynamic_args(tmp_path / "whole", plugin))
+    trainer.main(dynamic_args(tmp_path / "cut", plugin, steps=2))
+    trainer.main(dynamic_args(tmp_path / "cut", plugin, steps=3, resume=str(tmp_path / "cut")))
     for name in ("metrics.jsonl", "rollouts.jsonl"):
         assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name

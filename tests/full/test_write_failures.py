@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import train_args
 
 import model_io
-from grpo_vlm import checkpoints, cli, logs, train
+from full.conftest import train_args
+from grpo_vlm import checkpoints, cli, logs, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)
@@ -101,7 +101,7 @@ def test_a_full_disk_at_each_kind_of_write_is_one_line_naming_the_file_and_leave
         function, n, what, named, intact = KINDS[kind]
         fail_on(monkeypatch, function, nth_call(n, what))
     with pytest.raises(cli.WriteFailed) as failed:
-        train.main(train_args(output_dir=str(out), steps=2, save_every=1, **FLAGS))
+        trainer.main(train_args(output_dir=str(out), steps=2, save_every=1, **FLAGS))
     monkeypatch.undo()
     go_on = f"the newest checkpoint, {intact}, is intact; once the cause is gone: "
     go_on += f"python -m grpo_vlm --resume {out}"
@@ -112,7 +112,7 @@ def test_a_full_disk_at_each_kind_of_write_is_one_line_naming_the_file_and_leave
     assert_logs_whole(out)
     assert not (out / "curves.png").exists()
 
-    assert train.main(train_args(resume=str(out), steps=2, save_every=1, **FLAGS))["steps"] == 2
+    assert trainer.main(train_args(resume=str(out), steps=2, save_every=1, **FLAGS))["steps"] == 2
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [
         0,
         1,
