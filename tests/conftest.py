@@ -7,7 +7,7 @@ markers so that tests can build image prompts by hand.
 
 `make_random_model(family)` builds the same kind of tiny model for every family the README names (FAMILIES:
 Qwen2.5-VL, Qwen2-VL, Qwen3-VL with deepstack, Qwen2, Qwen3, Llama); the package's tests save them as
-checkpoints (full/conftest.py). Nothing here imports the package: the reference's tests run without it.
+checkpoints (full/helpers.py). Nothing here imports the package: the reference's tests run without it.
 
 Tests run torch on one thread: the models are tiny, and on a 2-core machine the per-op thread start-up of a
 multi-threaded matmul costs more than the matmul (the suite is several times faster this way).

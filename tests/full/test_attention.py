@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import attention, trainer
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")

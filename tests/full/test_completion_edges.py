@@ -14,7 +14,7 @@ import data
 import grpo
 import model_io
 import rewards
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import dataset, grounding, speedups, tasks, trainer
 from scripts import evaluate
 

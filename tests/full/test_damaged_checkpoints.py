@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

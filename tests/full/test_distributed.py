@@ -29,7 +29,7 @@ import data
 import grpo
 import lora
 import model_io
-from full.conftest import lora_model_with_gradients, make_run, train_args
+from full.helpers import lora_model_with_gradients, make_run, train_args
 from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 
 import grpo
 import lora
-from full.conftest import save_random_checkpoint, train_args
+from full.helpers import save_random_checkpoint, train_args
 from full.test_speed import SAMPLING, K, assert_same, logprobs_and_grads
 from grpo_vlm import cli, speedups, trainer
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, cli, plugins, trainer
 
 FLAGS = dict(batch_size=2, group_size=2, max_new_tokens=8, eval_every=1000, train_size=16, eval_size=4)

@@ -19,7 +19,7 @@ import data
 import lora
 import model_io
 import rewards
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import adapters, cli, dataset, scoring, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

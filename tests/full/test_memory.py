@@ -14,7 +14,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 import lora
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import lora_config, memory, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

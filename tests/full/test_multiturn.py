@@ -33,7 +33,7 @@ import data
 import grpo
 import lora
 import model_io
-from full.conftest import lora_model_with_gradients, make_run, train_args
+from full.helpers import lora_model_with_gradients, make_run, train_args
 from full.test_families import adapted
 from grpo_vlm import cli, distributed, files, memory, multiturn, speedups, tasks, tools, trainer
 from scripts import evaluate

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import trainer
 
 CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ from PIL import Image
 import grpo
 import lora
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def dying_write(path, content, **kwargs):
     return real_write(path, content, **kwargs)
 files.write_file = dying_write
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
-from full.conftest import train_args
+from full.helpers import train_args
 trainer.main(train_args(output_dir={str(out)!r}, steps=4, save_every=1, **{SMALL!r}))
 """
     child = subprocess.run(

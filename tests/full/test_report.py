@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, report, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import grpo
-from full.conftest import make_run
+from full.helpers import make_run
 from full.test_train import load_tiny_with_lora, make_rollout, small_args
 from grpo_vlm import speedups, tasks, trainer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, cli, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from conftest import TINY_CHECKPOINT
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import dataset, tasks, thumbnails, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

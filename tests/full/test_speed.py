@@ -23,7 +23,7 @@ from transformers import StaticCache
 import data
 import grpo
 import lora
-from full.conftest import make_run, train_args
+from full.helpers import make_run, train_args
 from grpo_vlm import speedups, trainer
 
 K = 2  # adapted blocks

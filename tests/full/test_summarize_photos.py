@@ -19,7 +19,7 @@ from PIL import Image, ImageDraw
 import data
 import grpo
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import cli, tasks, trainer
 from scripts import summarize_photos as sp
 

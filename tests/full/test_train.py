@@ -26,7 +26,7 @@ import data
 import grpo
 import lora
 import model_io
-from full.conftest import make_run, train_args
+from full.helpers import make_run, train_args
 from grpo_vlm import checkpoints, cli, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import data
 import model_io
 import rewards
 import train
-from full.conftest import lora_model_with_gradients, make_run, train_args
+from full.helpers import lora_model_with_gradients, make_run, train_args
 from grpo_vlm import trainer as full
 
 B, G, T, SEED, LR = 4, 4, 16, 3, 2e-3

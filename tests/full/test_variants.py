@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import grpo
-from full.conftest import train_args
+from full.helpers import train_args
 
 COMMON = dict(clip_eps_low=0.2, clip_eps_high=0.28, beta=0.0)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import model_io
-from full.conftest import train_args
+from full.helpers import train_args
 from grpo_vlm import checkpoints, cli, logs, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,9 +1,10 @@
 """The full trainer's test helpers: `trainer.Args` from flat flag names, a `trainer.Run` around a model, a
 random checkpoint saved as `from_pretrained` reads it, the embedded model with LoRA that has gradients.
 
-The random models and token ids come from the reference's tests/conftest.py (the package's tests import them
-as `from conftest import ...`); these need the package, so they live beside its tests.
-"""
+They need the package, so they live beside its tests; the random models and token ids come from the
+reference's tests/conftest.py (`from conftest import ...`). A module, not a second conftest.py: a test file
+that torchrun runs as a script has tests/full first on its path, where a conftest.py would shadow the
+reference's."""
 
 import dataclasses
 from pathlib import Path
