@@ -15,8 +15,8 @@ copies, one per visual token the merger emits. Prompts are LEFT-padded: every ro
 column P. Legend: `B` prompts, `G` completions per prompt, `N = B*G` rows, `P` padded prompt length.
 
 Choices:
-- A prompt longer than `max_prompt_length` raises, never truncated: a cut through the image tokens would
-  desynchronise text and `pixel_values`, and a cut through the text changes the task.
+- Prompts are never truncated: a cut through the image tokens would desynchronise text and `pixel_values`,
+  and a cut through the text changes the task.
 - Rows are expanded like `repeat_interleave` (prompt b becomes rows b*G .. b*G+G-1), `pixel_values` and
   `image_grid_thw` per prompt block; a flat `repeat` would pair row b's text with another row's pixels.
 - A completion ends at any end-of-turn id the checkpoint lists; vision and chat-control tokens are never
@@ -26,7 +26,7 @@ Choices:
 import json
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -51,80 +51,64 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
     samples = []
-    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON.
-    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            # NOTE: without its newline, or json puts a line cut short at "line 2 column 1" of one line.
-            text = line.rstrip("\r\n")
-            if bad := re.search("[\udc80-\udcff]", text):  # surrogateescape reads a bad byte b as U+DC00 + b
-                byte, column = ord(bad[0]) - 0xDC00, bad.start() + 1
-                raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column {column})")
-            try:
-                sample = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(_json_error(where, text, e)) from e
-            except RecursionError as e:  # json's parser recurses once per '[' or '{'
-                raise ValueError(f"{where}: JSON nested too deeply") from e
-            except ValueError as e:  # an integer of more than 4,300 digits (Python's int-to-str limit)
-                raise ValueError(f"{where}: {e}") from e
-            samples.append(_validate_sample(sample, where, base_dir=path.parent))
+    # A byte-order mark (Windows editors write one) is not part of the first line's JSON.
+    for lineno, raw in enumerate(path.read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines(), start=1):
+        where = f"{path}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # the column in characters: what precedes the byte is valid UTF-8
+            column = len(raw[: e.start].decode("utf-8")) + 1
+            raise ValueError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {column})") from None
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}:{e.colno}: invalid JSON: {e.msg}") from None
+        except (ValueError, RecursionError) as e:  # a number of 5,000 digits; JSON nested thousands deep
+            raise ValueError(f"{where}: invalid JSON: {e}") from None
+        samples.append(validate_sample(sample, where, base_dir=path.parent))
     if not samples:
         raise ValueError(f"{path}: dataset is empty (no JSON lines)")
     return samples
 
 
-def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
-    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>' on one line, the column 1-based in
-    `text`; a trailing comma is reported at the comma, not at the '}' after it where json notices it."""
-    pos, hint = e.pos, ""
-    at, before = text[pos : pos + 1], text[:pos].rstrip()
-    if before.endswith(",") and at in ("}", "]"):
-        pos, hint = len(before) - 1, f" (a trailing comma before '{at}'? JSON allows none)"
-    elif at == "'":
-        hint = " (single quotes? JSON needs double quotes around keys and strings)"
-    elif text.startswith(("True", "False", "None"), pos):
-        hint = " (Python's True/False/None? JSON spells them true/false/null)"
-    elif e.msg.startswith("Unterminated string"):
-        hint = " (the line ends inside this string: a missing '\"' or a line cut short?)"
-    elif not text[pos:].strip():
-        hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
-    why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
-    start, end = max(pos - 30, 0), pos + 30  # 30 characters of the line on each side of the fault
-    excerpt = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
-    return f"{where}:{pos + 1}: invalid JSON: {why}{hint}; near: {excerpt}"
-
-
-def _validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
+def validate_sample(sample: Any, where: str, *, base_dir: Path) -> dict:
+    """The sample with its image paths resolved against `base_dir` and `_where` set, or a ValueError naming
+    `where: field`: a prompt or chat turns, text that UTF-8 can hold, image files that exist."""
     if type(sample) is not dict:  # json.loads makes plain dicts; a data error, so a ValueError
         raise ValueError(f"{where}: a line must be a JSON object, got {type(sample).__name__}")
+    # NOTE: JSON's "\ud800" reads as a lone surrogate, which no tokenizer or UTF-8 file takes.
+    for key, value in sample.items():
+        text = value if isinstance(value, str) else json.dumps([key, value], ensure_ascii=False)
+        if bad := re.search("[\ud800-\udfff]", text):
+            field = key.encode("utf-8", "backslashreplace").decode()
+            at = bad.start() + 1
+            raise ValueError(f"{where}: {field}: not valid text (a lone surrogate at character {at})")
     has_prompt, has_messages = "prompt" in sample, "messages" in sample
     if has_prompt == has_messages:
         raise ValueError(f"{where}: a sample needs exactly one of 'prompt' (string) or 'messages' (list)")
     if has_prompt and not (isinstance(sample["prompt"], str) and sample["prompt"].strip()):
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty string")
+        raise ValueError(f"{where}: prompt: must be a non-empty string")
     if has_messages and not (isinstance(sample["messages"], list) and sample["messages"]):
-        raise ValueError(f"{where}: field 'messages' must be a non-empty list of chat turns")
+        raise ValueError(f"{where}: messages: must be a non-empty list of chat turns")
     for i, turn in enumerate(sample.get("messages") or []):  # else the chat template fails or drops it
         body = turn.get("content") if isinstance(turn, dict) else None
         ok = isinstance(body, str) or isinstance(body, list) and all(isinstance(c, dict) for c in body)
         if not (ok and isinstance(turn.get("role"), str)):
-            raise ValueError(
-                f'{where}: messages[{i}]: must be {{"role": string, "content": string or list of objects}}'
-            )
+            raise ValueError(f'{where}: messages[{i}]: must be {{"role": string, "content": string or list}}')
     images = sample.get("images", [])
     if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-        raise ValueError(f"{where}: field 'images' must be a list of file paths (strings)")
-    try:  # NOTE: a NUL byte or a name too long for the OS raises, where a missing file is only not found
-        resolved = [(base_dir / p).resolve() for p in images]
-        missing = [(p, full) for p, full in zip(images, resolved) if not full.is_file()]
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{where}: images: not a usable path ({getattr(e, 'strerror', None) or e})") from e
-    if missing:
-        raise ValueError(f"{where}: image {missing[0][0]!r} not found (looked for {missing[0][1]})")
-    return {**sample, "images": [str(full) for full in resolved], "_where": where}
+        raise ValueError(f"{where}: images: must be a list of file paths (strings)")
+    for name in images:  # NOTE: a NUL byte, or a name too long for the OS, makes is_file() raise
+        try:
+            found = "\x00" not in name and (base_dir / name).is_file()
+        except OSError as e:
+            raise ValueError(f"{where}: images: {name[:80]!r}... not a usable path ({e.strerror})") from e
+        if not found:
+            raise ValueError(f"{where}: images: {name!r} not found (looked in {base_dir.resolve()})")
+    resolved = [str((base_dir / name).resolve()) for name in images]
+    return {**sample, "images": resolved, "_where": where}
 
 
 def load_image(image: str | Path | Image.Image, sample: dict) -> Image.Image:
@@ -163,20 +147,25 @@ def inspection_sample(rng: random.Random, index: int) -> dict:
             draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=COLOURS["red"])
             defective.append(k + 1)
         images.append(image)
-    label, reason = ("不通过", f"理由: 图片{defective[0]}有缺陷") if defective else ("通过", "理由: 无缺陷")
-    return {
-        "id": f"inspection-{index}",
-        "images": images,
-        "prompt": INSPECTION_PROMPT,
-        "label": label,
-        "answer": f"{label}\n{reason}",
-    }
+    label = "不通过" if defective else "通过"
+    answer = f"{label}\n理由: 图片{defective[0]}有缺陷" if defective else f"{label}\n理由: 无缺陷"
+    sample = {"id": f"inspection-{index}", "images": images, "prompt": INSPECTION_PROMPT}
+    return sample | {"label": label, "answer": answer}  # what the label and answer_match rewards compare with
 
 
 def inspection_samples(n: int, *, split: Literal["train", "test"] = "train", seed: int = 0) -> list[dict]:
     """`n` inspection samples, the same for the same (split, seed); split "test" is a disjoint stream."""
     rng = random.Random(f"inspection/{split}/{seed}")  # disjoint streams: a test sample is no train sample
     return [inspection_sample(rng, i) for i in range(n)]
+
+
+def load_samples(path: str | None, eval_path: str | None, *, train_size: int, eval_size: int) -> tuple:
+    """(training, held-out) samples: the JSONL files (the first `eval_size` of `eval_path`), or with no `path`
+    the built-in task's two splits, the same whatever the run's seed: runs of several seeds are compared on
+    the same held-out questions."""
+    if path is None:
+        return inspection_samples(train_size, split="train"), inspection_samples(eval_size, split="test")
+    return read_jsonl(path), read_jsonl(eval_path)[:eval_size] if eval_path else []
 
 
 # --- Prompts: chat text, tensors, rows B -> N ---------------------------------------------------------------
@@ -190,30 +179,19 @@ def sample_messages(sample: dict) -> list[dict]:
 
 @dataclass
 class PromptBatch:
-    """Model inputs (the keyword arguments of `model(...)` / `generate(...)`: `input_ids` (rows, P), left
-    padded, `attention_mask` (rows, P), and with images `pixel_values` (patches, C*temporal*patch*patch),
-    `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P)) and each row's image count."""
+    """Model inputs, `generate`'s keywords: `input_ids`, `attention_mask` (rows, P), left-padded; with images
+    `pixel_values` (patches, 3*2*14*14), `image_grid_thw` (images, 3), `mm_token_type_ids` (rows, P)."""
 
     inputs: dict[str, torch.Tensor]
     images_per_row: list[int]
 
-    @property
-    def prompt_length(self) -> int:
-        return self.inputs["input_ids"].shape[1]
-
 
 def prepare_prompts(
-    samples: list[dict],
-    tokenizer,
-    image_processor,
-    *,
-    device: torch.device | str,
-    max_prompt_length: int | None = None,
-    loader: Callable[[str | Image.Image, dict], Image.Image] = load_image,
+    samples: list[dict], tokenizer, image_processor, *, device: torch.device | str
 ) -> PromptBatch:
-    """Chat-template, tokenize, process images (`loader(image, sample)` gives each in RGB) and left-pad a
-    batch of samples (one row per sample)."""
-    per_row = [[loader(im, s) for im in s.get("images", [])] for s in samples]
+    """Chat-template, tokenize, process images (files or PIL images, in RGB) and left-pad a batch of samples
+    (one row per sample)."""
+    per_row = [[load_image(im, s) for im in s.get("images", [])] for s in samples]
     texts = [chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
     images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
     inputs = {}
@@ -226,8 +204,6 @@ def prepare_prompts(
         texts = [re.sub(re.escape(IMAGE_PAD), lambda _: IMAGE_PAD * next(counts), t) for t in texts]
         inputs.update(pixel_values=vision["pixel_values"], image_grid_thw=grid)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    for sample, row in zip(samples, ids):
-        check_prompt_length(sample, len(row), max_prompt_length)
     P = max(len(row) for row in ids)  # NOTE: left padding, so that every row's completion starts at column P
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (P - len(row)) + row for row in ids])  # (rows, P)
     mask = torch.tensor([[0] * (P - len(row)) + [1] * len(row) for row in ids])  # (rows, P)
@@ -242,21 +218,11 @@ def chat_text(sample: dict, tokenizer, num_images: int) -> str:
     """The chat-templated prompt with one `<|image_pad|>` per image (expanded later to the visual tokens)."""
     text = tokenizer.apply_chat_template(sample_messages(sample), tokenize=False, add_generation_prompt=True)
     if text.count(IMAGE_PAD) != num_images:
-        raise ValueError(
-            f"{location(sample)}: the chat text has {text.count(IMAGE_PAD)} image placeholders but the "
-            f"sample has {num_images} images"
+        found = (
+            f"the chat text has {text.count(IMAGE_PAD)} image placeholders but the sample {num_images} images"
         )
+        raise ValueError(f"{location(sample)}: {found}")
     return text
-
-
-def check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
-    """Refuse a prompt of `length` tokens, visual ones included, longer than `max_prompt_length`."""
-    if max_prompt_length is not None and length > max_prompt_length:
-        raise ValueError(
-            f"{location(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
-            f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
-            f"cut through the image tokens would no longer match pixel_values)"
-        )
 
 
 def repeat_rows(batch: PromptBatch, group_size: int) -> PromptBatch:
@@ -297,16 +263,6 @@ def suppressed_tokens(tokenizer, eos_ids: Sequence[int] | None = None) -> list[i
     return sorted((set(tokenizer.all_special_ids) | vision) - allowed)
 
 
-def sampling_options(
-    tokenizer, generation_config=None, *, max_new_tokens: int, temperature: float, top_p: float = 1.0
-) -> dict:
-    """The sampler's keyword arguments (grpo.sample_completions)."""
-    ends = end_of_turn_ids(tokenizer, generation_config)
-    suppress = suppressed_tokens(tokenizer, ends)
-    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=ends)
-    return options | dict(pad_token_id=tokenizer.pad_token_id, suppress_token_ids=suppress)
-
-
 def decode_completions(
     tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor, eos_ids: Sequence[int] | None = None
 ) -> list[str]:
@@ -315,30 +271,15 @@ def decode_completions(
     special |= {*tokenizer.all_special_ids, *(eos_ids or [tokenizer.eos_token_id])}
     dropped = sorted(special - _ids_of(tokenizer, GROUNDING_TOKENS))
     keep = mask & ~torch.isin(completion_ids, torch.tensor(dropped, device=completion_ids.device))
-    return tokenizer.batch_decode([ids[k].tolist() for ids, k in zip(completion_ids, keep)])
+    ids, keep = completion_ids.tolist(), keep.tolist()  # two copies to the host, not one per row
+    return tokenizer.batch_decode([[t for t, k in zip(row, kept) if k] for row, kept in zip(ids, keep)])
 
 
 # --- The samples of each step -------------------------------------------------------------------------------
-EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
-
-
-def batch_for_step(
-    samples: list[dict],
-    step: int,
-    batch_size: int,
-    seed: int,
-    rank: int = 0,
-    world: int = 1,
-    *,
-    sampling_round: int = 0,
-    rounds: int = 1,
-) -> list[dict]:
-    """This rank's B samples: [rank*B, (rank+1)*B) of the step's B*R, from epochs of seeded permutations,
-    a pure function of (step, round), so resume is exact. NOTE: a per-batch std scales by these B only."""
-    if sampling_round > 0:  # dynamic sampling's extra round k of `rounds` reads a stream of its own
-        step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
-    global_size = batch_size * world
-    epoch, k = divmod(step, max(len(samples) // global_size, 1))  # batches per epoch, at least one
+def batch_for_step(samples: list[dict], step: int, batch_size: int, seed: int) -> list[dict]:
+    """The B samples of step `step` (0-based): epochs of seeded permutations, a pure function of (step, seed),
+    so a resumed run draws the batches an uninterrupted one would. NOTE: an epoch's last partial batch is
+    never drawn (every batch holds B samples)."""
+    epoch, k = divmod(step, max(len(samples) // batch_size, 1))  # batches per epoch, at least one
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-    global_batch = [samples[i] for i in order[k * global_size : (k + 1) * global_size].tolist()]
-    return global_batch[rank * batch_size : (rank + 1) * batch_size]
+    return [samples[i] for i in order[k * batch_size : (k + 1) * batch_size].tolist()]

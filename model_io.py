@@ -1,27 +1,26 @@
-"""Loading models and LoRA adapters in PEFT's format; the learning-rate schedule a run steps.
+"""Loading models; LoRA adapters in PEFT's format; a run's folder, log and checkpoint; the LR schedule.
 
-`load_model` makes exactly the `from_pretrained` calls that a Qwen-VL (`AutoModelForImageTextToText`:
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL) or text-only (`AutoModelForCausalLM`) checkpoint needs, so the tiny model
-in `assets/` tests the real loading path offline. Adapters are in PEFT's on-disk format (PEFT reads ours, we
-read its plain LoRA), refused before the model changes when they use a PEFT option lora.py lacks, when their
-keys or shapes do not match the model's layers, or when they hold NaN or inf values.
+`load_model` makes exactly the `from_pretrained` calls a Qwen-VL (`AutoModelForImageTextToText`: Qwen2-VL,
+Qwen2.5-VL, Qwen3-VL) or text-only (`AutoModelForCausalLM`) checkpoint needs: the tiny model in `assets/`
+tests the real path offline. `save_adapter` writes what PEFT writes, so PEFT, vLLM and transformers load it.
+A checkpoint holds tensors, numbers and strings (`torch.load(weights_only=True)` runs no pickled code) and
+is written whole: a temporary file renamed over the previous one.
 """
 
 import json
 import math
-from collections.abc import Callable
+import os
 from pathlib import Path
 
 import torch
 import transformers
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from torch.optim.lr_scheduler import LambdaLR
 
 import lora
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent / "assets" / "tiny-qwen2.5-vl")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
@@ -33,22 +32,14 @@ def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(
-    name_or_path: str,
-    *,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    attn_implementation: str | None = None,
-):
-    """Return (model, tokenizer, image_processor or None), the model frozen and in eval mode.
-    `attn_implementation`: transformers' (sdpa, flash_attention_2, eager); None: its default (sdpa)."""
+def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dtype):
+    """Return (model, tokenizer, image_processor or None), the model frozen and in eval mode."""
     # A hub id is 'org/name'; anything else that does not exist is a mistyped local path.
     is_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
     local = Path(name_or_path).expanduser()
     if not local.exists() and not is_hub_id:
         raise FileNotFoundError(f"model path {name_or_path} does not exist")
-    # NOTE: transformers would ask for a `model_type` key in its config.json, as if one existed.
-    if local.is_dir() and not (local / "config.json").is_file():
+    if local.is_dir() and not (local / "config.json").is_file():  # transformers would ask for a `model_type`
         raise ValueError(f"cannot load a model config from {name_or_path!r}: the folder has no config.json")
     try:
         config = transformers.AutoConfig.from_pretrained(name_or_path)
@@ -56,9 +47,8 @@ def load_model(
         raise ValueError(f"cannot load a model config from {name_or_path!r}: {e}") from e
     is_vlm = getattr(config, "vision_config", None) is not None
     model_class = transformers.AutoModelForImageTextToText if is_vlm else transformers.AutoModelForCausalLM
-    model = model_class.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device).requires_grad_(False)  # the base is frozen; LoRA parameters are added (trainable) later
-    model.eval()  # NOTE: no dropout in the base; LoRA dropout is switched by the trainer explicitly
+    model = model_class.from_pretrained(name_or_path, dtype=dtype)  # transformers' attention: sdpa
+    model.to(device).requires_grad_(False).eval()  # frozen, no dropout: the trainer adds LoRA and switches
     tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
@@ -82,10 +72,10 @@ def cosine_with_warmup(optimizer: torch.optim.Optimizer, *, warmup_steps: int, t
 # --- LoRA adapters in PEFT's format -------------------------------------------------------------------------
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
+PEFT_PREFIX = "base_model.model."  # PEFT's PeftModel -> LoraModel -> original model
 
 
-def _hyperparameters(model: torch.nn.Module) -> dict:
+def peft_hyperparameters(model: torch.nn.Module) -> dict:
     """The injected adapters' settings under PEFT's LoraConfig field names."""
     modules = lora.lora_modules(model, required=True)
     path, _ = lora.find_decoder_blocks(model)
@@ -102,79 +92,89 @@ def _hyperparameters(model: torch.nn.Module) -> dict:
     return peft | dict(layers_to_transform=layers, layers_pattern=path.rpartition(".")[2])
 
 
-def save_adapter(
-    model: torch.nn.Module,
-    directory: str | Path,
-    *,
-    base_model_name_or_path: str,
-    write: Callable[[Path, bytes], object] = Path.write_bytes,
-) -> None:
-    """Write adapter_model.safetensors and adapter_config.json in PEFT's format, each by `write(path, bytes)`:
-    a plain write by default (the package passes its whole-file `atomic_write`)."""
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **_hyperparameters(model)}
+def adapter_files(model: torch.nn.Module, *, base_model_name_or_path: str) -> dict[str, bytes]:
+    """The adapter's two files in PEFT's format, by name: the LoRA weights and their LoraConfig."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", **peft_hyperparameters(model)}
     config |= {"bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False}
     config |= {"inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
-    tensors = {_PEFT_PREFIX + k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
+    tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in lora.lora_state_dict(model).items()}
+    weights = save(tensors, metadata={"format": "pt"})  # what transformers' and PEFT's loaders expect
+    return {ADAPTER_WEIGHTS: weights, ADAPTER_CONFIG: json.dumps(config, indent=2).encode()}
+
+
+def save_adapter(model: torch.nn.Module, directory: str | Path, *, base_model_name_or_path: str) -> None:
+    """Write the adapter (`adapter_files`) into `directory`, created if missing."""
     Path(directory).mkdir(parents=True, exist_ok=True)
-    write(Path(directory, ADAPTER_WEIGHTS), save(tensors, {"format": "pt"}))
-    write(Path(directory, ADAPTER_CONFIG), json.dumps(config, indent=2).encode())
+    for name, content in adapter_files(model, base_model_name_or_path=base_model_name_or_path).items():
+        Path(directory, name).write_bytes(content)
 
 
-def check_loadable(path: Path, config: dict) -> None:
-    """Refuse PEFT options lora.py lacks (rslora scales by alpha / sqrt(r)) rather than load them wrongly."""
-    options = ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern")
-    bad = {k: config[k] for k in options if config.get(k)}
-    if config.get("peft_type") != "LORA" or config.get("bias", "none") != "none":
-        bad |= {"peft_type": config.get("peft_type"), "bias": config.get("bias")}
-    if not isinstance(config.get("target_modules"), list):  # PEFT also allows one regex string
-        bad["target_modules"] = config.get("target_modules")
-    if bad:
-        raise ValueError(f"{path}: uses options lora.py does not implement: {bad}")
+# --- A run's folder and checkpoint -----------------------------------------------------------------------
+RUN_FILES = ("metrics.jsonl", "metrics.tmp", "checkpoint.pt", "checkpoint.tmp", "adapter")  # all a run writes
 
 
-def load_adapter(
-    model: torch.nn.Module, directory: str | Path, *, config: dict | None = None, lora_fp32: bool = True
-) -> list[str]:
-    """Load a PEFT LoRA adapter (`config`: its adapter_config.json, if already read), injecting LoRA if the
-    model has none; return the wrapped names. A failed load leaves the model intact. The tensors take the LoRA
-    weights' dtype: the existing adapters', or if this call injects, fp32 (`lora_fp32`) or the base dtype."""
-    file = Path(directory, ADAPTER_CONFIG)
-    check_loadable(file, config := json.loads(file.read_text(encoding="utf-8")) if config is None else config)
-    r, alpha, targets = config["r"], float(config["lora_alpha"]), tuple(config["target_modules"])
-    path, blocks = lora.find_decoder_blocks(model)
-    layers = config.get("layers_to_transform")  # PEFT's None: every layer
-    layers = sorted(range(len(blocks)) if layers is None else [layers] if isinstance(layers, int) else layers)
+def check_run_folder(out: Path, *, resume: bool) -> None:
+    """A new or empty folder, or (`resume`) one that holds a run's checkpoint.pt and nothing but a run's
+    files, none of them a link (nothing is written through one): ValueError saying what to do otherwise."""
+    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    foreign = [out / name for name in found if name not in RUN_FILES or (out / name).is_symlink()]
+    if out.is_symlink() or out.exists() and not out.is_dir() or foreign:
+        raise ValueError(f"{([*foreign, out])[0]} is no file of a run; choose a new or empty --output-dir")
+    if found and not resume:
+        raise ValueError(f"{out} holds a run: continue it with --resume, or choose a new --output-dir")
+    if resume and "checkpoint.pt" not in found:
+        raise ValueError(f"{out} holds no checkpoint.pt to resume; start anew in an empty --output-dir")
+
+
+def append_line(path: Path, record: dict) -> None:
+    """`record` as one line of strict JSON (a NaN or inf value, e.g. a skipped update's loss, as null)."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     try:
-        tensors = load_file(weights := Path(directory, ADAPTER_WEIGHTS))
-    except SafetensorError as e:  # NOTE: torn, emptied or not safetensors at all
-        raise ValueError(f"{weights}: unreadable ({e}); is it damaged or cut short?") from None
-    if modules := lora.lora_modules(model):
-        want = {"r": r, "lora_alpha": alpha, "target_modules": sorted(targets), "layers_to_transform": layers}
-        have = {k: v for k, v in _hyperparameters(model).items() if k in want}
-        if have != want:
-            raise ValueError(f"model already has LoRA with a different config: model {have}, adapter {want}")
-        if any(m.merged for m in modules.values()):
-            raise RuntimeError("cannot load an adapter into merged weights; call unmerge_lora first")
-        linears = {name: m.base_layer for name, m in modules.items()}
-    else:
-        if any(i < 0 or i >= len(blocks) for i in layers):
-            raise ValueError(f"LoRA layers {layers} out of range: {path} has {len(blocks)} blocks")
-        adapted = [blocks[i] for i in layers]
-        linears = lora.target_linears(model, adapted, targets)
-    shapes = {f"{_PEFT_PREFIX}{name}.lora_A.weight": (r, lin.in_features) for name, lin in linears.items()}
-    shapes |= {f"{_PEFT_PREFIX}{name}.lora_B.weight": (lin.out_features, r) for name, lin in linears.items()}
-    if missing := sorted(shapes.keys() - tensors.keys()):
-        raise ValueError(f"adapter is missing {len(missing)} key(s), e.g. {missing[0]!r}")
-    if unexpected := sorted(tensors.keys() - shapes.keys()):
-        raise ValueError(f"adapter has {len(unexpected)} unexpected key(s), e.g. {unexpected[0]!r}")
-    for key, shape in shapes.items():
-        if (found := tuple(tensors[key].shape)) != shape:
-            raise ValueError(f"shape mismatch for {key!r}: adapter {found}, model {shape}")
-        if not tensors[key].isfinite().all():  # NOTE: a diverged run's weights would train or sample garbage
-            raise ValueError(f"{weights}: {key!r} holds NaN or inf values; refusing to load it")
-    if not modules:
-        dropout, fp32 = float(config.get("lora_dropout", 0.0)), lora_fp32
-        lora.inject_lora(model, r=r, alpha=alpha, dropout=dropout, blocks=adapted, targets=targets, fp32=fp32)
-    # Keys and shapes checked above; load_state_dict copies each tensor into its weight's dtype and device.
-    model.load_state_dict({k.removeprefix(_PEFT_PREFIX): v for k, v in tensors.items()}, strict=False)
-    return list(lora.lora_modules(model))
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(json.dumps(finite, allow_nan=False) + "\n")
+    except OSError as e:
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def keep_lines_up_to(path: Path, step: int) -> None:
+    """Cut a JSONL log back to its lines of steps <= `step`; a line a crash tore (no newline) goes too."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+    path.with_suffix(".tmp").write_text("".join(kept), encoding="utf-8")
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def save_checkpoint(path: Path, model, optimizer, scheduler, *, step: int, settings: dict) -> None:
+    """LoRA, AdamW, the schedule, the generators (the device's on CUDA), the step and the settings, in a
+    temporary file renamed over `path`: a crash or a full disk leaves the last checkpoint whole, no tmp."""
+    state = {"step": step, "settings": settings, "lora": lora.lora_state_dict(model)}
+    state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    state["rng"] = torch.get_rng_state()
+    if model.device.type == "cuda":  # sampling on CUDA draws from the device's own generator
+        state["cuda_rng"] = torch.cuda.get_rng_state(model.device)
+    tmp = path.with_suffix(".tmp")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from e
+
+
+def restore_checkpoint(state: dict, model: torch.nn.Module, optimizer, scheduler) -> int:
+    """Put `load_checkpoint`'s state back, so the run goes on as if it had never stopped; its step."""
+    model.load_state_dict(state["lora"], strict=False)  # strict=False: the frozen base is not in it
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    if "cuda_rng" in state and model.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"], model.device)
+    return state["step"]
+
+
+def load_checkpoint(path: Path) -> dict:
+    """`save_checkpoint`'s state; a missing, cut or foreign file is a ValueError naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds for a cut or foreign file)
+        raise ValueError(f"{path} cannot be read as a checkpoint ({type(e).__name__}: {e})") from None

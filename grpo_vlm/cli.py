@@ -1,4 +1,4 @@
-"""The command line's edges, shared by train.py and scripts/: one-line errors, exit codes, clean stops.
+"""The command line's edges, shared by the trainer and scripts/: one-line errors, exit codes, clean stops.
 
 Exit statuses (the same for every command of the project):
     0    done
@@ -9,7 +9,7 @@ Exit statuses (the same for every command of the project):
          so is a reward or tool plug-in that calls sys.exit() or raises KeyboardInterrupt (`call_plugin`)
     74   an output could not be written (no space left, permission denied, read-only filesystem, a vanished
          folder): one line naming the file and the cause; what was half-written is removed, the previous
-         checkpoint is intact, and the same command (train.py: `--resume DIR`) goes on once the cause is gone
+         checkpoint is intact, and the same command (`--resume DIR`) goes on once the cause is gone
     130  stopped by Ctrl-C or SIGTERM: after the current step and a checkpoint (the message says how to
          continue), or before anything was written (nothing is left behind)
 

@@ -10,7 +10,7 @@ grounding fields a reward reads, and what a log record shows of its sample (`pro
 Choices:
 - Images above the processor's pixel budget are shrunk as it would shrink them, never rejected
   (`describe_resizes` says so), and decoded once at that size, not in full at every step (`_shrunk`;
-  `data.prepare_prompts(..., loader=image_loader(image_processor))`); files above `max_image_pixels` (a PNG
+  `prepare_prompts`); files above `max_image_pixels` (a PNG
   decodes in full before it can shrink) are refused when they load.
 - Summaries are rendered once, when the samples load (`apply_prompt_template`), so that every later step
   sees plain `prompt` samples.
@@ -25,7 +25,6 @@ import random
 import re
 import string
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -41,7 +40,7 @@ from grpo_vlm import files, tasks
 # --- The data flags and the samples they name ---------------------------------------------------------------
 @dataclass
 class DataConfig:
-    """Where the samples come from and how their prompts are prepared. Field names are train.py's flags."""
+    """Where the samples come from and how their prompts are prepared. Field names are the flags."""
 
     data: tuple[str, ...] = ()
     """Training JSONL file(s). Empty: the built-in task `--task`."""
@@ -103,11 +102,64 @@ def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dic
 
 
 def read_samples(path: str | Path) -> list[dict]:
-    """data.read_jsonl, then each sample refused if it cannot mean what it says (`check_meaning`)."""
-    samples = data.read_jsonl(path)
+    """`read_jsonl`, then each sample refused if it cannot mean what it says (`check_meaning`)."""
+    samples = read_jsonl(path)
     for sample in samples:
         check_meaning(sample)
     return samples
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """data.read_jsonl with a hint for the usual JSON mistakes: a trailing comma, single quotes, Python's
+    True/False/None, a line cut short; the column of the fault, and the text around it (`_json_error`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} does not exist")
+    samples = []
+    # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON.
+    with path.open(encoding="utf-8-sig", errors="surrogateescape") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            # NOTE: without its newline, or json puts a line cut short at "line 2 column 1" of one line.
+            text = line.rstrip("\r\n")
+            if bad := re.search("[\udc80-\udcff]", text):  # surrogateescape reads a bad byte b as U+DC00 + b
+                byte, column = ord(bad[0]) - 0xDC00, bad.start() + 1
+                raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column {column})")
+            try:
+                sample = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(_json_error(where, text, e)) from e
+            except RecursionError as e:  # json's parser recurses once per '[' or '{'
+                raise ValueError(f"{where}: JSON nested too deeply") from e
+            except ValueError as e:  # an integer of more than 4,300 digits (Python's int-to-str limit)
+                raise ValueError(f"{where}: {e}") from e
+            samples.append(data.validate_sample(sample, where, base_dir=path.parent))
+    if not samples:
+        raise ValueError(f"{path}: dataset is empty (no JSON lines)")
+    return samples
+
+
+def _json_error(where: str, text: str, e: json.JSONDecodeError) -> str:
+    """'file:line:column: invalid JSON: why (a hint); near: <excerpt>' on one line, the column 1-based in
+    `text`; a trailing comma is reported at the comma, not at the '}' after it where json notices it."""
+    pos, hint = e.pos, ""
+    at, before = text[pos : pos + 1], text[:pos].rstrip()
+    if before.endswith(",") and at in ("}", "]"):
+        pos, hint = len(before) - 1, f" (a trailing comma before '{at}'? JSON allows none)"
+    elif at == "'":
+        hint = " (single quotes? JSON needs double quotes around keys and strings)"
+    elif text.startswith(("True", "False", "None"), pos):
+        hint = " (Python's True/False/None? JSON spells them true/false/null)"
+    elif e.msg.startswith("Unterminated string"):
+        hint = " (the line ends inside this string: a missing '\"' or a line cut short?)"
+    elif not text[pos:].strip():
+        hint = " (the line ends before the JSON does: a missing '}' or ']'? JSONL needs one sample per line)"
+    why = e.msg.removesuffix(" at")  # e.g. "Unterminated string starting at": the column says where
+    start, end = max(pos - 30, 0), pos + 30  # 30 characters of the line on each side of the fault
+    excerpt = ("..." if start else "") + text[start:end] + ("..." if end < len(text) else "")
+    return f"{where}:{pos + 1}: invalid JSON: {why}{hint}; near: {excerpt}"
 
 
 def check_meaning(sample: dict) -> None:
@@ -282,9 +334,38 @@ def load_image(image: str | Path | Image.Image, sample: dict, image_processor=No
     return data.load_image(image, sample)
 
 
-def image_loader(image_processor) -> Callable[[str | Image.Image, dict], Image.Image]:
-    """`load_image` with this processor's pixel budget, for `data.prepare_prompts(..., loader=...)`."""
-    return functools.partial(load_image, image_processor=image_processor)
+def prepare_prompts(samples: list[dict], tokenizer, image_processor, *, device) -> data.PromptBatch:
+    """data.prepare_prompts on the samples' images as `load_image` gives them: a file larger than the
+    processor's budget decoded once, at the size the processor keeps."""
+    loaded = [
+        {**s, "images": [load_image(im, s, image_processor) for im in s["images"]]} if s.get("images") else s
+        for s in samples
+    ]
+    return data.prepare_prompts(loaded, tokenizer, image_processor, device=device)
+
+
+# --- The samples of each step, on each rank ---------------------------------------------------------------
+EXTRA_ROUNDS = 1_000_000  # the batch indices of dynamic sampling's extra rounds start here
+
+
+def batch_for_step(
+    samples: list[dict],
+    step: int,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    *,
+    sampling_round: int = 0,
+    rounds: int = 1,
+) -> list[dict]:
+    """This rank's B samples: [rank*B, (rank+1)*B) of the step's global batch of B*R (data.batch_for_step of
+    B*R), so that R ranks draw what one process of B*R prompts would. Dynamic sampling's extra round k of
+    `rounds` reads a stream of its own. A pure function of (step, round): resume is exact."""
+    if sampling_round > 0:
+        step = EXTRA_ROUNDS + step * (rounds - 1) + sampling_round - 1
+    global_batch = data.batch_for_step(samples, step, batch_size * world, seed)
+    return global_batch[rank * batch_size : (rank + 1) * batch_size]
 
 
 # --- Pixel budgets and checks before any model work -----------------------------------------------------
@@ -346,10 +427,20 @@ def check_samples(
             length += patches // image_processor.merge_size**2
             if budget is not None and width * height > budget:
                 oversized.append((width, height))
-        data.check_prompt_length(sample, length, max_prompt_length)
+        check_prompt_length(sample, length, max_prompt_length)
         longest = max(longest, length)
     largest = max(oversized, key=lambda size: size[0] * size[1], default=None)
     return ResizeReport(len(oversized), largest, longest)
+
+
+def check_prompt_length(sample: dict, length: int, max_prompt_length: int | None) -> None:
+    """Refuse a prompt of `length` tokens, visual ones included, longer than `max_prompt_length`."""
+    if max_prompt_length is not None and length > max_prompt_length:
+        raise ValueError(
+            f"{data.location(sample)}: prompt is {length} tokens (images included) but max_prompt_length is "
+            f"{max_prompt_length}; raise the limit or shrink the images (it is never truncated, because a "
+            f"cut through the image tokens would no longer match pixel_values)"
+        )
 
 
 # Peak bytes a pixel that decoding holds (measured with Pillow: RGB, grey and palette files decode to 4-byte

@@ -1,9 +1,10 @@
 """LoRA on the command line: the settings group `--lora-last-k`, `--lora-r`, `--lora-alpha`, `--lora-fp32`,
 `--lora-dropout` and `inject`, which hands them to lora.inject_lora as its plain keywords.
 
-lora.py takes keywords in its own vocabulary (r, alpha, dropout, last_k, fp32) and names no flag; this
-group adds the `lora_` prefix that keeps the flags apart from the others and checks the values with the
-flag's name. Legend: `K` adapted blocks (the last K decoder blocks of the language model), `r` rank.
+lora.py takes keywords in its own vocabulary (r, alpha, dropout, last_k) and names no flag; this group adds
+the `lora_` prefix that keeps the flags apart from the others and checks the values with the flag's name,
+and --no-lora-fp32 (adapters in the base dtype: `lora_in_base_dtype`), which the reference has not.
+Legend: `K` adapted blocks (the last K decoder blocks of the language model), `r` rank.
 """
 
 from dataclasses import dataclass
@@ -30,15 +31,14 @@ class LoRAConfig:
     """Dropout on the LoRA branch input during the gradient pass."""
 
     def check(self) -> None:
-        """Raise ValueError('--flag: what is wrong, got value') for the first setting out of range."""
-        for flag, ok, message in [
-            ("--lora-last-k", self.lora_last_k >= 1, "must be >= 1"),
-            ("--lora-r", self.lora_r >= 1, "must be >= 1"),
-            ("--lora-alpha", self.lora_alpha > 0, "must be > 0"),
-            ("--lora-dropout", 0 <= self.lora_dropout < 1, "must be in [0, 1)"),
-        ]:
-            if not ok:
-                raise ValueError(f"{flag}: {message}, got {getattr(self, flag[2:].replace('-', '_'))}")
+        """Raise ValueError('--flag: what is wrong, got value') for the first setting out of range: lora.py's
+        own checks (lora.check_lora names r, alpha, dropout), then the number of blocks."""
+        try:
+            lora.check_lora(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout)
+        except ValueError as e:
+            raise ValueError(f"--lora-{e}") from None
+        if self.lora_last_k < 1:
+            raise ValueError(f"--lora-last-k: must be >= 1, got {self.lora_last_k}")
 
 
 def training_bytes(model: nn.Module, config: LoRAConfig) -> int:
@@ -66,11 +66,21 @@ def check_fits(model: nn.Module, config: LoRAConfig, budget_bytes: int) -> None:
 
 def inject(model: nn.Module, config: LoRAConfig) -> list[str]:
     """lora.inject_lora with these settings: the last `lora_last_k` decoder blocks; the wrapped names."""
-    return lora.inject_lora(
+    names = lora.inject_lora(
         model,
         r=config.lora_r,
         alpha=config.lora_alpha,
         dropout=config.lora_dropout,
         last_k=config.lora_last_k,
-        fp32=config.lora_fp32,
     )
+    if not config.lora_fp32:
+        lora_in_base_dtype(model)
+    return names
+
+
+def lora_in_base_dtype(model: nn.Module) -> None:
+    """--no-lora-fp32: each adapter's A and B in its base weight's dtype (half the memory of fp32 in bf16, but
+    updates below bf16's spacing round away); before the optimizer is made."""
+    for m in lora.lora_modules(model, required=True).values():
+        m.lora_A.to(m.base_layer.weight.dtype)
+        m.lora_B.to(m.base_layer.weight.dtype)

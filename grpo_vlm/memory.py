@@ -1,6 +1,6 @@
 """The memory a training step needs, estimated from shapes, and the micro-batch that makes it fit a device.
 
-`estimate` adds up, per phase of train.py's step, the bytes alive together:
+`estimate` adds up, per phase of trainer.py's step, the bytes alive together:
 - sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, the
   recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated, and the LM head's fp32 weight;
 - trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the pixels (the B
@@ -18,7 +18,7 @@
   recorded, the trunk is captured after sampling. Through the update the rows' pixels stay on the plain path
   only (trainer.tool_rollout drops them under trunk reuse). T is the completion with the tool turns' tokens.
 `peak` is the largest phase. Every count is per token of n micro-batch rows x S = P + T - 1 positions, and
-assumes, as train.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
+assumes, as trainer.py's default path does, LoRA on q/k/v/o/gate/up/down of the last K blocks of a Qwen2-style
 decoder, trunk reuse, fused attention (SDPA's flash / memory-efficient kernels, which save q, k, v, the output
 and the log-sum-exp, never the (S, S) scores) and padded prompts (so keys and values are repeated to every
 head for SDPA; eager attention would keep the (S, S) scores too). The plain path (no shared prefill, no trunk

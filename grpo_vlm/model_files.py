@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 import model_io
@@ -40,17 +41,21 @@ def _size_mismatches() -> Iterator[list[str]]:
         logger.removeFilter(keep)
 
 
+def resolve_dtype(name: str, device) -> torch.dtype:
+    """model_io.resolve_dtype, and 'float16' for inference (evaluation, summaries; training refuses it)."""
+    return torch.float16 if name == "float16" else model_io.resolve_dtype(name, device)
+
+
 def load_model(name_or_path: str, *, device, dtype, attn_implementation: str | None = None):
     """model_io.load_model with the folder's JSON files read first and its weights' failures named
-    (ValueError): (model, tokenizer, image_processor or None)."""
+    (ValueError), then `attn_implementation` (sdpa, flash_attention_2, eager; None: transformers' default,
+    sdpa): (model, tokenizer, image_processor or None)."""
     folder = Path(name_or_path).expanduser()
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         files.read_json(path)
     with _size_mismatches() as mismatches:
         try:
-            return model_io.load_model(
-                name_or_path, device=device, dtype=dtype, attn_implementation=attn_implementation
-            )
+            model, tokenizer, image_processor = model_io.load_model(name_or_path, device=device, dtype=dtype)
         except SafetensorError as e:  # NOTE: a file cut short, emptied or not safetensors at all
             raise ValueError(
                 f"{name_or_path}: a weights file is unreadable ({e}); damaged or cut short?"
@@ -62,3 +67,6 @@ def load_model(name_or_path: str, *, device, dtype, attn_implementation: str | N
                 f"{name_or_path}: the weights do not have the sizes config.json gives (hidden sizes or layer "
                 f"counts edited?): {mismatches[0]}"
             ) from None
+    if attn_implementation is not None:  # transformers' default is sdpa; switched in place, weights as loaded
+        model.set_attn_implementation(attn_implementation)
+    return model, tokenizer, image_processor

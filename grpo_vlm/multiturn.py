@@ -37,8 +37,9 @@ Choices:
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,23 +280,64 @@ def sample(
     return_logprobs: bool = False,
 ) -> Rollouts:
     """G multi-turn completions of each of the B prompts of `batch` (rows b*G .. b*G+G-1: prompt b), turn by
-    turn: `grpo.sample_completions` with `sampling` (data.sampling_options) on the rows still running, their
-    tool calls run, the tool turns appended. [return_logprobs: generate's log-probs, for tests.]"""
+    turn: `grpo.sample_completions` with `sampling` (sampling.sampler_options) on the rows still running,
+    their tool calls run, the tool turns appended. [return_logprobs: generate's log-probs
+    (`generation_logits`), for tests.]"""
     rows, device = _rows(batch, samples, group_size), batch.inputs["input_ids"].device
     ends, budget = list(sampling["eos_token_id"]), sampling["max_new_tokens"]  # budget: over all turns
     stops = [*ends, use.tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)]  # end of turn, or a call
-    while running := [r for r in rows if not r.done]:
-        # Each row's allowance: what is left of the model's token budget and of the length bound.
-        allowance = [min(budget - sum(r.mask), use.max_length - len(r.ids)) for r in running]
-        options = dict(sampling, max_new_tokens=max(allowance), eos_token_id=stops)
-        inputs = _left_padded(running, sampling["pad_token_id"], device)  # the n rows still running
-        ids, logp = grpo.sample_completions(model, inputs, **options, return_logprobs=return_logprobs)
-        for i, (row, room) in enumerate(zip(running, allowance)):
-            new = ids[i, :room].tolist()  # cut at the row's allowance
-            end = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))  # through its first stop
-            turn_logp = logp[i, :end].tolist() if logp is not None else []
-            _take_turn(row, new[:end], turn_logp, ends, budget, use)
+    logits = generation_logits(model) if return_logprobs else contextlib.nullcontext([])
+    with logits as seen:
+        while running := [r for r in rows if not r.done]:
+            # Each row's allowance: what is left of the model's token budget and of the length bound.
+            allowance = [min(budget - sum(r.mask), use.max_length - len(r.ids)) for r in running]
+            options = dict(sampling, max_new_tokens=max(allowance), eos_token_id=stops)
+            inputs = _left_padded(running, sampling["pad_token_id"], device)  # the n rows still running
+            ids = grpo.sample_completions(model, inputs, **options)
+            logp = None
+            if seen:  # this turn's generate logits (return_logprobs)
+                temperature = sampling["temperature"]
+                logp, _ = grpo.logprobs_from_logits(
+                    seen.pop(), ids, temperature=temperature, return_entropy=False
+                )
+            _take_turns(running, allowance, ids, logp, stops, ends, budget, use)
     return _collect(rows, batch, group_size, sampling["pad_token_id"], return_logprobs)
+
+
+def _take_turns(
+    running: list[_Row],
+    allowance: list[int],
+    ids: Tensor,
+    logp: Tensor | None,
+    stops: list[int],
+    ends: list[int],
+    budget: int,
+    use: ToolUse,
+) -> None:
+    """Each running row's turn: its new tokens through its first stop, cut at its allowance."""
+    for i, (row, room) in enumerate(zip(running, allowance)):
+        new = ids[i, :room].tolist()  # cut at the row's allowance
+        end = next((k + 1 for k, t in enumerate(new) if t in stops), len(new))  # through its first stop
+        turn_logp = logp[i, :end].tolist() if logp is not None else []
+        _take_turn(row, new[:end], turn_logp, ends, budget, use)
+
+
+@contextlib.contextmanager
+def generation_logits(model: torch.nn.Module) -> Iterator[list[Tensor]]:
+    """Inside, every `model.generate` call also appends its raw logits (N, T, V) (`output_logits`) to the
+    list it yields: generation-time log-probs for tests, from the very sampler the trainer runs."""
+    generate, seen = model.generate, []
+
+    def with_logits(**kwargs: Any) -> Any:
+        out = generate(**kwargs, output_logits=True)
+        seen.append(torch.stack(out.logits, dim=1))  # (N, T, V): before temperature, top_p and suppression
+        return out
+
+    model.generate = with_logits
+    try:
+        yield seen
+    finally:
+        del model.generate  # the instance's attribute: the class's method is back
 
 
 def _collect(

@@ -1,7 +1,9 @@
 """The plug-ins a run imports (`--reward` and `--tools` given as `file.py:function` or `module:function`):
 which file each one is, its SHA-256 as run.json records it, and what `--resume` checks before importing.
 
-A run folder may come from someone else, and its run.json names code that `--resume` would import and run.
+`import_plugin` imports one (a file as a fresh module under a private name, nothing half-imported left in
+sys.modules) and `reward_function` loads a reward by name or plug-in, its signature checked. A run folder may
+come from someone else, and its run.json names code that `--resume` would import and run.
 Choices:
 - At the run's start, run.json records each plug-in's file and SHA-256 (a module plug-in: the file of the
   module as the import would find it, found without running any code; a module without one, e.g. built into
@@ -11,25 +13,30 @@ Choices:
   an older version, or one edited: a missing hash would otherwise be a way around the check). Giving the
   flag again on the resume command line accepts its plug-ins as their files are now; run.json then records
   the new hashes.
-Stdlib only.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import importlib.machinery
+import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+import rewards
 from grpo_vlm import files
 
 HASH_SHOWN = 12  # hex digits of a SHA-256 printed in a line: enough to tell two files apart by eye
 
 
 def is_file_spec(module_spec: str) -> bool:
-    """Whether rewards.import_plugin reads `module_spec` as a file path (else as a module on sys.path)."""
+    """Whether `import_plugin` reads `module_spec` as a file path (else as a module on sys.path)."""
     return module_spec.endswith(".py") or "/" in module_spec or os.sep in module_spec
 
 
@@ -131,3 +138,64 @@ def check_resumed(
         else:
             lines.append(f"imports {flag} plug-in {spec}: {describe(now)}, as when the run started")
     return lines
+
+
+def import_plugin(module_spec: str, *, kind: str = "reward") -> Any:
+    """Import `pkg.mod` from sys.path, or run `path/to/file.py` as a fresh module (`kind`: what it holds)."""
+    if is_file_spec(module_spec):
+        if not os.path.isfile(module_spec):
+            raise ValueError(f"{kind} file {module_spec!r} does not exist")
+        # NOTE: in sys.modules (dataclasses, pickle look it up) under a private name: no user file clashes.
+        name = f"_{kind}_plugin_{os.path.splitext(os.path.basename(module_spec))[0]}"
+        spec = importlib.util.spec_from_file_location(name, module_spec)
+        assert spec is not None and spec.loader is not None  # None for a suffix Python cannot import
+        module = sys.modules[name] = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException as e:  # leave no half-initialised module behind, whatever the module raised
+            del sys.modules[name]
+            if not isinstance(e, ImportError | SyntaxError):
+                raise
+            raise ValueError(f"could not import {kind} file {module_spec!r}: {e}") from e
+        return module
+    try:
+        return importlib.import_module(module_spec)
+    except (ImportError, SyntaxError) as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name == module_spec.split(".")[0]
+        hint = " (is its directory on sys.path? or pass a file: path/to/file.py:function)" if missing else ""
+        raise ValueError(f"could not import {kind} module {module_spec!r}: {e}{hint}") from e
+
+
+def reward_function(spec: str, builtins: Mapping[str, rewards.RewardFn], **bind: Any) -> rewards.RewardFn:
+    """rewards.load_reward for a command line that names a file or module someone else wrote: a built-in by
+    name (from `builtins`) or a plug-in (`import_plugin`), keyword arguments bound
+    (`reward_function("numeric_match", builtins, rel_tol=0.01)`), its signature checked against how
+    rewards.score calls it. Every problem is a ValueError fit for a command line."""
+    if ":" not in spec:
+        if spec not in builtins:
+            plugin = "or give a plug-in as module:function or path/to/file.py:function"
+            raise ValueError(f"unknown reward {spec!r}; built-ins are {', '.join(builtins)}, {plugin}")
+        fn = builtins[spec]
+    else:
+        module_spec, _, attr = spec.rpartition(":")
+        if not module_spec or not attr:
+            raise ValueError(f"reward {spec!r} must look like module:function or path/to/file.py:function")
+        module = import_plugin(module_spec)
+        if not hasattr(module, attr):
+            raise ValueError(f"reward module {module_spec!r} has no attribute {attr!r}")
+        fn = getattr(module, attr)
+    if not callable(fn):  # ValueError, not TypeError: a command-line mistake like all the others
+        raise ValueError(f"reward {spec!r} is not callable (got {type(fn).__name__})")  # noqa: TRY004
+    fn = functools.partial(fn, **bind) if bind else fn
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"reward {spec!r}: cannot read its signature: {e}") from e
+    try:  # exactly how score() will call it
+        sig.bind(
+            "completion", {}, **({"completion_length": 0} if rewards.wants_completion_length(fn) else {})
+        )
+    except TypeError as e:
+        how = f"reward {spec!r} has signature {sig}, but must accept (completion, sample) positionally"
+        raise ValueError(f"{how}; other parameters need defaults or must be bound when loading ({e})") from e
+    return fn

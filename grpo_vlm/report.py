@@ -8,7 +8,7 @@ It shows the run (each start's command line, settings as flags, model, data, tim
 the rollouts of every logged step (each group's images, prompt, target and G completions with reward,
 components, advantage, length, truncation; boxes drawn on grounding samples; each tool call's turn) with
 filters and a text search, and the held-out samples of the first and the latest evaluation side by side.
-The trainer writes RUN_DIR/report.html at each checkpoint and at the end (train.py).
+The trainer writes RUN_DIR/report.html at each checkpoint and at the end (trainer.py).
 
 Legend: `G` completions per prompt (a group), a row is one completion; a group's reward spread is zero when
 its G rewards are equal (every advantage is 0: no learning signal).

@@ -1,9 +1,9 @@
 """Scoring in the package's commands (python -m grpo_vlm, scripts/evaluate.py, scripts/score_rollouts.py):
 the reward flags (`RewardConfig`), every built-in by name, and user reward functions called safely.
 
-`BUILTIN_REWARDS` is the reference's (rewards.py), then tools.py's `tool_format`, grounding.py's rewards
-and DAPO's soft overlong penalty (`overlong_penalty`: its lengths bound by the caller). `score` is
-rewards.score with each call made by `call_reward`, through cli.call_plugin: under
+`BUILTIN_REWARDS` is the reference's (rewards.py), then answer_rewards.py's, tools.py's `tool_format`,
+grounding.py's rewards and DAPO's soft overlong penalty (`overlong_penalty`: its lengths bound by the
+caller). `score` is rewards.score with each reward `bounded`: called through cli.call_plugin, under
 --reward-timeout, by SIGALRM (main thread only, on POSIX; the previous SIGALRM handler and timer come back
 after the call), and a call that took longer is a timeout whatever it returned (a bare `except:` around a
 slow call swallows the alarm, not the clock). A failure in the user's code carries `user_message`, the one
@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import rewards
-from grpo_vlm import cli, grounding, tools
+from grpo_vlm import answer_rewards, cli, grounding, plugins, tools
 
 
 def overlong_penalty(
@@ -39,9 +39,10 @@ def overlong_penalty(
     return -1.0
 
 
-# --reward's names: the reference's built-ins, then the tools' and grounding's rewards, and DAPO's penalty.
+# --reward's names: the reference's built-ins, more answer rewards, the tools', grounding's, DAPO's penalty.
 BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
     **rewards.BUILTIN_REWARDS,
+    **answer_rewards.REWARDS,
     "tool_format": tools.tool_format,
     **grounding.REWARDS,
     "overlong": overlong_penalty,
@@ -51,7 +52,7 @@ BUILTIN_REWARDS: dict[str, rewards.RewardFn] = {
 @dataclasses.dataclass
 class RewardConfig:
     """Which rewards score a completion, how they combine, and which one means "correct". Field names are
-    the commands' flags (train.py, scripts/evaluate.py)."""
+    the commands' flags (trainer.py, scripts/evaluate.py)."""
 
     reward: tuple[str, ...] = ()
     """Reward functions, summed with --reward-weight. REQUIRED with --data; the built-in tasks default to
@@ -95,9 +96,9 @@ def rewards_from_flags(
     builtins: Mapping[str, rewards.RewardFn] | None = None,
 ) -> list[rewards.Reward]:
     """--reward, --reward-weight and --gate, as every command of this project reads them: a rewards.Reward per
-    name (rewards.load_reward over `builtins`, default BUILTIN_REWARDS), weights default 1.0 each, each
+    name (plugins.reward_function over `builtins`, default BUILTIN_REWARDS), weights default 1.0 each, each
     mistake a ValueError whose message starts with the flag at fault. Rewards needing bound arguments
-    (overlong) are built by the caller with load_reward(..., **bind)."""
+    (overlong) are built by the caller with plugins.reward_function(..., **bind)."""
     if weights and len(weights) != len(names):
         raise ValueError(f"--reward-weight: has {len(weights)} values for {len(names)} rewards")
     if unknown := sorted(set(gates) - set(names)):
@@ -109,45 +110,47 @@ def rewards_from_flags(
     for name, weight in zip(names, list(weights) or [1.0] * len(names), strict=True):
         try:  # a plug-in that does not import, a name that is no reward: --reward's fault
             with cli.plugin_import(name):
-                fn = rewards.load_reward(name, builtins=builtins)
+                fn = plugins.reward_function(name, builtins)
         except ValueError as e:
             raise ValueError(f"--reward: {e}") from e
-        loaded.append(rewards.Reward(name, fn, float(weight), name in gates))
+        loaded.append(rewards.Reward(name=name, fn=fn, weight=float(weight), gate=name in gates))
     return loaded
 
 
+class RewardTimeout(TimeoutError):
+    """A reward call that ran past --reward-timeout (whatever it returned or raised)."""
+
+
+def bounded(r: rewards.Reward, timeout: float | None = None) -> rewards.Reward:
+    """`r` whose every call goes through cli.call_plugin: within `timeout` seconds (None: no limit), and
+    sys.exit(), KeyboardInterrupt or another BaseException the plug-in raised made its failure (a
+    RuntimeError from it), never a result or a user's stop."""
+
+    @functools.wraps(r.fn)  # its signature: rewards.score reads whether it takes completion_length
+    def call(completion: str, sample: Mapping[str, Any], **kwargs: Any) -> Any:
+        try:
+            return cli.call_plugin("reward function", r.fn, (completion, sample), kwargs, timeout=timeout)
+        except cli.PluginTimeout:
+            error = RewardTimeout(f"reward {r.name!r} took longer than --reward-timeout {timeout} s")
+            error.reward = r.name
+            raise error from None
+        except cli.PluginExit as e:
+            raise RuntimeError(repr(e.__cause__)) from e.__cause__
+
+    return dataclasses.replace(r, fn=call)
+
+
 # `user_message`: the one line a command prints (cli.run), no traceback, as the user's code failed, not ours.
-def _name_the_failure(error: BaseException, where: str) -> Exception:
-    frame = traceback.extract_tb(error.__traceback__)[-1]  # where in the user's function it failed
-    failure = error if isinstance(error, Exception) else RuntimeError(f"{where}: {error!r}")  # a SystemExit
-    said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    failure.user_message = f"{where}: {said} (at {frame.filename}:{frame.lineno})"
-    return failure
-
-
-def call_reward(
-    r: rewards.Reward,
-    index: int,
-    completion: str,
-    sample: Mapping[str, Any],
-    kwargs: dict[str, Any],
-    *,
-    timeout: float | None = None,
-) -> Any:
-    """One call of `r` for rewards.score (its `call`): by cli.call_plugin, within `timeout` seconds (None: no
-    limit), and a failure of the user's code named in one line (`user_message`)."""
-    where = rewards.describe_completion(index, sample)
-    try:
-        return cli.call_plugin("reward function", r.fn, (completion, sample), kwargs, timeout=timeout)
-    except cli.PluginTimeout:
-        error = TimeoutError(f"reward {r.name!r} took longer than --reward-timeout {timeout} s on {where}")
-        error.user_message = str(error)
-        raise error from None
-    except cli.PluginExit as e:  # sys.exit(), KeyboardInterrupt, ...: the plug-in's failure
-        raise _name_the_failure(e.__cause__, f"raised by reward {r.name!r} on {where}") from e.__cause__
-    except Exception as e:  # NOTE: not swallowed: raised again (rewards.score adds a note naming it)
-        _name_the_failure(e, f"raised by reward {r.name!r} on {where}")
-        raise
+def _name_the_failure(error: Exception, where: str) -> None:
+    """Set `user_message` from `where` (rewards.score's note: "raised by reward 'x' on completion 3 ...")."""
+    if isinstance(error, RewardTimeout):  # "... took longer than --reward-timeout 1 s on completion 3 ..."
+        error.user_message = f"{error} on {where.removeprefix(f'raised by reward {error.reward!r} on ')}"
+        return
+    exited = error.__cause__ is not None and not isinstance(error.__cause__, Exception)  # `bounded` made it
+    cause = error.__cause__ if exited else error  # the SystemExit the plug-in raised, or what it raised
+    frame = traceback.extract_tb(cause.__traceback__)[-1]  # where in the user's function it failed
+    said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    error.user_message = f"{where}: {said} (at {frame.filename}:{frame.lineno})"
 
 
 def score(
@@ -158,13 +161,16 @@ def score(
     completion_lengths: Sequence[int] | None = None,
     timeout: float | None = None,
 ) -> rewards.Scores:
-    """rewards.score with every call made by `call_reward` (`timeout`: --reward-timeout, None: no limit); a
-    value that is no number fails with its `user_message` too."""
-    call = functools.partial(call_reward, timeout=timeout)
+    """rewards.score with every reward `bounded` (`timeout`: --reward-timeout, None: no limit); a failure of
+    the user's code (it raised, exited, ran too long, returned no number) carries its `user_message`."""
+    calls = [bounded(r, timeout) for r in reward_fns]
     try:
-        return rewards.score(
-            completions, samples, reward_fns, completion_lengths=completion_lengths, call=call
-        )
+        return rewards.score(completions, samples, calls, completion_lengths=completion_lengths)
     except rewards.RewardValueError as e:
         e.user_message = str(e)
+        raise
+    except Exception as e:
+        notes = getattr(e, "__notes__", [])  # rewards.score's: which reward, on which completion
+        if notes and notes[-1].startswith("raised by reward "):
+            _name_the_failure(e, notes[-1])
         raise

@@ -18,7 +18,8 @@ Each section re-arranges one grpo.py function:
    `capture_trunk` runs them once without grad, or `trunk_from_recording` takes what sampling recorded on
    the way (`record_block`), and `trunk_logprobs` runs only the K adapted blocks from there.
 3. Micro-batches (the loss's backward). `split_rows` cuts the N rows, and their images, into chunks;
-   `grpo.aggregate` takes the whole batch's totals, so the chunks' gradients sum to the whole one.
+   objectives.grpo_loss scales each chunk's loss by its share of the batch, so the chunks' gradients sum
+   to the whole one.
 4. Log-probs row by row (`logprobs_from_logits`). The reference holds (N, T, V) fp32 logits (the LM head's
    in fp32, log-softmax, the entropy's softmax) for backward; `logprobs_row_by_row` runs the fp32 LM head
    one row at a time both ways (a hand-written backward): no (N, T, V) tensor is ever made.
@@ -242,24 +243,28 @@ def _load(decoder: _Decoder, prompts: Any, attention_mask: Tensor, position: Ten
 
 @contextmanager
 def weights_cast_once(model: nn.Module, kept: dict | None = None) -> Iterator[None]:
-    """Inside: no grad, and A and B cast to the base dtype once for every forward (weights unchanged). Given
-    `kept` (module -> casts of an earlier call), the casts are refreshed there in place: a replayed graph
-    reads them at the addresses it was captured with."""
-    modules, kept = lora.lora_modules(model).values(), {} if kept is None else kept
+    """Inside: no grad, and every LoRALinear's A and B replaced by their casts to the base dtype, made once
+    for all the forwards inside (its forward's own `.to` is then a no-op; the weights are unchanged, and come
+    back on exit). Given `kept` (module -> casts of an earlier call), the casts are refreshed there in place:
+    a replayed graph reads them at the addresses it was captured with.
+    NOTE: the casts stand in the layers' parameter slots, so nothing inside may train A or B (no grad)."""
+    modules, kept = list(lora.lora_modules(model).values()), {} if kept is None else kept
+    originals = {m: (m.lora_A.weight, m.lora_B.weight) for m in modules}
     with torch.no_grad():  # the casts are constants: nothing inside trains A or B
-        for m in modules:
-            weights = (m.lora_A.weight, m.lora_B.weight)
+        for m, weights in originals.items():
             if m not in kept:
                 kept[m] = tuple(w.to(m.weight.dtype) for w in weights)  # an fp32 base: the weights themselves
             for cast, w in zip(kept[m], weights, strict=True):
                 if cast is not w:
                     cast.copy_(w)
-            m.cast = kept[m]
+            for layer, cast in zip((m.lora_A, m.lora_B), kept[m], strict=True):
+                layer.weight = nn.Parameter(cast, requires_grad=False)  # the cast's storage, not a copy
         try:
             yield
         finally:
-            for m in modules:
-                m.cast = None
+            for m, (a, b) in originals.items():
+                m.lora_A.weight = a
+                m.lora_B.weight = b
 
 
 @torch.no_grad()
@@ -667,7 +672,7 @@ def logprobs_row_by_row(
 
 @dataclass
 class SpeedConfig:
-    """Which re-arrangements a run uses; none changes the results. Field names are train.py's flags."""
+    """Which re-arrangements a run uses; none changes the results. Field names are the flags."""
 
     shared_prefill: bool = True
     """Prefill each prompt once and copy its KV cache to its G rows (`sample_shared_prefill`), recording the
@@ -772,7 +777,7 @@ def sample(
     if plan.config.shared_prefill:
         chosen = dict(record_block=plan.record_block if record else None, capture=plan.capture)
         return sample_shared_prefill(model, inputs, group_size=group_size, **chosen, **options)
-    return grpo.sample_completions(model, inputs, num_return_sequences=group_size, **options)[0], None
+    return grpo.sample_completions(model, inputs, num_return_sequences=group_size, **options), None
 
 
 @dataclass

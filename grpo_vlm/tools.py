@@ -61,7 +61,7 @@ from PIL import Image
 
 import data
 import rewards
-from grpo_vlm import cli, dataset, grounding
+from grpo_vlm import cli, dataset, grounding, plugins
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"  # each ONE token in Qwen tokenizers
 TOOL_FAILURES = ("tool_raised", "timeout", "bad_output")  # the plug-in's, not the policy's
@@ -81,7 +81,7 @@ class ToolError(Exception):
 
 @dataclass
 class ToolConfig:
-    """Which tools the policy may call in a rollout, and how often. Field names are train.py's flags."""
+    """Which tools the policy may call in a rollout, and how often. Field names are the flags."""
 
     tools: tuple[str, ...] = ()
     """Tools the policy may call: zoom (a crop of image i at bbox_2d, in the model's box frame, taken from
@@ -256,7 +256,7 @@ def load_tools(names: Sequence[str], limits: Limits = Limits()) -> dict[str, Too
                 )
             try:
                 with cli.plugin_import(spec):
-                    module = rewards.import_plugin(module_spec, kind="tool")
+                    module = plugins.import_plugin(module_spec, kind="tool")
             except ValueError as e:
                 raise ValueError(f"--tools: {e}") from e
             fn = getattr(module, name, None)

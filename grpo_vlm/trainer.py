@@ -6,7 +6,7 @@
     python -m grpo_vlm --resume runs/grpo            # continue a run from its latest checkpoint
     python -m grpo_vlm --model Qwen/Qwen2.5-VL-3B-Instruct --data my.jsonl --reward label format \\
         --reward-weight 1.0 0.5 --gate format --device cuda --max-new-tokens 128 --lr 1e-5
-    torchrun --nproc-per-node 8 train.py --device cuda ...  # R ranks, each on B prompts (distributed.py)
+    torchrun --nproc-per-node 8 -m grpo_vlm --device cuda ...  # R ranks, each on B prompts (distributed.py)
 
 Reading order: the objective in grpo.py's docstring -> `grpo.grpo_loss` -> `grpo.group_advantages` -> the step
 below (`train_step`: `rollout`, `frozen_logprobs`, `policy_update`) -> speedups.py. The plain path,
@@ -55,7 +55,6 @@ from grpo_vlm import (
     cli,
     dataset,
     distributed,
-    files,
     grounding,
     logs,
     lora_config,
@@ -63,8 +62,10 @@ from grpo_vlm import (
     metrics,
     model_files,
     multiturn,
+    objectives,
     plugins,
     report,
+    sampling_config,
     scoring,
     speedups,
     tasks,
@@ -153,14 +154,16 @@ class Args:
     """Seeds data order, sampling and LoRA initialisation."""
     samples: dataset.DataConfig = dataclasses.field(default_factory=dataset.DataConfig)
     """Samples and prompts (dataset.py, data.py, tasks.py)."""
-    sampling: grpo.SamplingConfig = dataclasses.field(default_factory=grpo.SamplingConfig)
-    """Sampling (grpo.py)."""
+    sampling: sampling_config.SamplingConfig = dataclasses.field(
+        default_factory=sampling_config.SamplingConfig
+    )
+    """Sampling (sampling_config.py, grpo.py)."""
     rewards: scoring.RewardConfig = dataclasses.field(default_factory=scoring.RewardConfig)
     """Rewards (rewards.py, grounding.py, scoring.py)."""
-    adv: grpo.AdvantageConfig = dataclasses.field(default_factory=grpo.AdvantageConfig)
-    """Advantages (grpo.py)."""
-    loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
-    """The loss and its variants (grpo.py)."""
+    adv: objectives.AdvantageConfig = dataclasses.field(default_factory=objectives.AdvantageConfig)
+    """Advantages (objectives.py, grpo.py)."""
+    loss: objectives.LossConfig = dataclasses.field(default_factory=objectives.LossConfig)
+    """The loss and its variants (objectives.py, grpo.py)."""
     kl_band: adaptive_kl.AdaptiveKLConfig = dataclasses.field(default_factory=adaptive_kl.AdaptiveKLConfig)
     """Adaptive KL (adaptive_kl.py): the band beta keeps the KL in."""
     lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
@@ -314,16 +317,17 @@ def merged(parts: list[dict]) -> dict:
 
 
 def step_prompts(run: Run, step: int, args: Args) -> list[dict]:
-    """This rank's B samples of `step` (1-based): a pure function of the step (data.batch_for_step)."""
-    return data.batch_for_step(run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world)
+    """This rank's B samples of `step` (1-based): a pure function of the step (dataset.batch_for_step)."""
+    return dataset.batch_for_step(
+        run.train_samples, step - 1, args.batch_size, args.seed, run.rank, run.world
+    )
 
 
 def host_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
     """The samples' chat text, tokens and image tensors, left-padded into one batch in host memory,
     page-locked when the run is on CUDA, so that `to_device`'s copy runs without the host waiting for it."""
-    options = dict(device="cpu", max_prompt_length=args.samples.max_prompt_length)
-    loader = dataset.image_loader(run.image_processor)  # large files decoded once, shrunk to the budget
-    batch = data.prepare_prompts(samples, run.tokenizer, run.image_processor, loader=loader, **options)
+    # Large files decoded once, shrunk to the budget; every prompt's length was checked when the data loaded.
+    batch = dataset.prepare_prompts(samples, run.tokenizer, run.image_processor, device="cpu")
     if torch.device(run.device).type != "cuda":
         return batch
     return data.PromptBatch({k: v.pin_memory() for k, v in batch.inputs.items()}, batch.images_per_row)
@@ -438,7 +442,7 @@ def advantages(
     """Advantages (N,) of the weighted total reward, or GDPO's of the group-normalised rewards' sum."""
     weights = torch.tensor([r.weight for r in run.reward_fns], device=reward.device)  # (K,)
     stacked = torch.stack(list(components.values()), 1)  # (N, K)
-    return grpo.advantages(reward, stacked, weights, args.group_size, args.adv)
+    return objectives.advantages(reward, stacked, weights, args.group_size, args.adv)
 
 
 @torch.no_grad()
@@ -457,7 +461,7 @@ def frozen_logprobs(run: Run, ro: Rollout, args: Args) -> None:
         if quantile < 1:
             entropy = torch.cat([h for _, h in pairs])  # (N, T)
             pool = distributed.gather_tensor(entropy[ro.mask])  # the quantile is over the global batch
-            ro.token_mask = grpo.high_entropy_mask(entropy, ro.mask, quantile, pool=pool)
+            ro.token_mask = objectives.high_entropy_mask(entropy, ro.mask, quantile, pool=pool)
     if args.loss.beta > 0:
         with lora.adapters_disabled(run.model):  # the reference policy: the same weights, no adapters
             ro.ref_logp = torch.cat([logp for logp, _ in every_chunk(options)])  # (N, T)
@@ -468,8 +472,9 @@ def accumulate_policy_gradient(
 ) -> tuple[float, dict[str, float], torch.Tensor]:
     """Recompute logp with grad and backward the GRPO loss, chunk by chunk; returns the loss, its stats and
     this rank's entropy (N, T). Each chunk's loss is normalised by the whole (under torchrun: global) batch's
-    rows and tokens, so the summed gradient equals the unchunked one for every loss_type (grpo.aggregate)."""
-    totals = grpo.BatchTotals(*distributed.batch_counts(ro.mask), args.sampling.max_new_tokens)  # all ranks'
+    rows and tokens, so the summed gradient equals the unchunked one for every loss_type (objectives.py)."""
+    num_rows, num_tokens = distributed.batch_counts(ro.mask)  # all ranks'
+    totals = objectives.BatchTotals(num_rows=num_rows, num_tokens=num_tokens)
     config = dataclasses.replace(args.loss, beta=beta)  # this step's beta (adaptive KL may move it)
     options = dict(temperature=args.sampling.temperature, return_entropy=True)
     loss_sum, stats_sum, entropies = 0.0, {}, []
@@ -479,8 +484,16 @@ def accumulate_policy_gradient(
         old_logp = ro.old_logp[rows] if ro.old_logp is not None else logp.detach()  # mu = 1: ratio 1
         ref_logp = ro.ref_logp[rows] if ro.ref_logp is not None else None
         chosen = ro.token_mask[rows] if ro.token_mask is not None else None  # high-entropy tokens, or all
-        loss, stats = grpo.grpo_loss(
-            logp, old_logp, ref_logp, adv, mask, config, token_mask=chosen, totals=totals
+        loss, stats = objectives.grpo_loss(
+            logp,
+            old_logp,
+            ref_logp,
+            adv,
+            mask,
+            config,
+            token_mask=chosen,
+            totals=totals,
+            max_completion_length=args.sampling.max_new_tokens,  # dr_grpo's constant
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
@@ -523,8 +536,8 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
     """DAPO's dynamic sampling (Yu et al. 2025): drop the groups whose G rewards are all equal (advantage 0,
     no learning signal) and sample more prompts, round by round, until B groups have a signal or
     --max-sampling-rounds rounds were drawn; then train on what there is, topped up to B with dropped groups
-    (they add only their KL term). Round k's prompts are a pure function of (step, k) (data.batch_for_step):
-    --resume stays exact with no stream to save.
+    (they add only their KL term). Round k's prompts are a pure function of (step, k)
+    (dataset.batch_for_step): --resume stays exact with no stream to save.
     Under torchrun the choice is made over the global batch, as one process on B*R prompts makes it: every
     rank shares its groups' completions and scores (small data), the first B*R groups with a signal in
     (round, rank, group) order are kept, and rank r trains on [r*B, (r+1)*B) of them.
@@ -537,11 +550,13 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
     for k in range(args.max_sampling_rounds):
         if k > 0:
             rounds = dict(sampling_round=k, rounds=args.max_sampling_rounds)
-            prompts = data.batch_for_step(run.train_samples, step - 1, B, args.seed, run.rank, R, **rounds)
+            prompts = dataset.batch_for_step(run.train_samples, step - 1, B, args.seed, run.rank, R, **rounds)
             ro = rollout(run, prompts, args)
         mine = [group_lists(ro, slice(g * G, (g + 1) * G)) for g in range(B)]
         groups += distributed.gather_lists(mine)
-        recordings.append(None if ro.recording is None else (ro.recording, ro.prompts.prompt_length))
+        recordings.append(
+            None if ro.recording is None else (ro.recording, ro.prompts.inputs["input_ids"].shape[1])
+        )
         signal = [any(r != group["reward"][0] for r in group["reward"]) for group in groups]
         if sum(signal) >= B * R:
             break
@@ -550,7 +565,9 @@ def groups_with_signal(run: Run, ro: Rollout, step: int, args: Args) -> tuple[Ro
 
     def sample(i: int) -> dict:  # global group i: round i // (B*R), rank i // B % R, index i % B
         rounds = dict(sampling_round=i // (B * R), rounds=args.max_sampling_rounds)  # re-derived, never sent
-        return data.batch_for_step(run.train_samples, step - 1, B, args.seed, i // B % R, R, **rounds)[i % B]
+        return dataset.batch_for_step(run.train_samples, step - 1, B, args.seed, i // B % R, R, **rounds)[
+            i % B
+        ]
 
     def recorded(i: int) -> tuple[torch.Tensor, int] | None:  # global group i's trunk rows, if this rank's
         if i // B % R != run.rank or recordings[i // (B * R)] is None:
@@ -673,7 +690,7 @@ def check_args(args: Args) -> None:
 def sampling_options(args: Args, tokenizer, generation_config=None) -> dict:
     """The sampler's keyword arguments from the flags and the checkpoint's end-of-turn ids."""
     config = args.sampling
-    return data.sampling_options(
+    return sampling_config.sampler_options(
         tokenizer,
         generation_config,
         max_new_tokens=config.max_new_tokens,
@@ -822,9 +839,7 @@ def save(directory: Path, run: Run, step: int, beta: float, run_id: str, args: A
     optimizer, scheduler = run.optimizer.state_dict(), run.scheduler.state_dict()
     settings = dataclasses.asdict(args)
     state = dict(step=step, beta=beta, run_id=run_id, optimizer=optimizer, scheduler=scheduler, args=settings)
-    adapter = functools.partial(
-        model_io.save_adapter, run.model, base_model_name_or_path=args.model, write=files.atomic_write
-    )
+    adapter = functools.partial(adapters.save_adapter, run.model, base_model_name_or_path=args.model)
     with checkpoints.writing(directory.parent, directory):
         checkpoints.save_checkpoint(
             directory, write_adapter=adapter, state=state, keep_last=args.keep_last, run_id=run_id
@@ -1056,9 +1071,7 @@ def print_if(condition: bool, *values) -> None:  # on the writing rank only, not
 def finish(run: Run, args: Args, out: Path, seconds: float) -> dict:
     print()  # the final adapter, the curves and the summary (rank 0)
     with checkpoints.writing(out, out / "adapter"):
-        model_io.save_adapter(
-            run.model, out / "adapter", base_model_name_or_path=args.model, write=files.atomic_write
-        )
+        adapters.save_adapter(run.model, out / "adapter", base_model_name_or_path=args.model)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     with checkpoints.writing(out, out / "curves.png"):
         logs.plot_curves(records, out / "curves.png")
@@ -1075,7 +1088,7 @@ def dry_run(run: Run, args: Args) -> dict:
     print(json.dumps(dataclasses.asdict(args), indent=2, ensure_ascii=False))
     params = lora.lora_parameters(run.model)
     print(f"trainable parameters: {sum(p.numel() for p in params):,} in {len(params) // 2} LoRA modules")
-    prompts = data.batch_for_step(run.train_samples, 0, args.batch_size, args.seed)
+    prompts = dataset.batch_for_step(run.train_samples, 0, args.batch_size, args.seed)
     ro = (tool_rollout if run.tools else rollout)(run, prompts, args)
     frozen_logprobs(run, ro, args)
     loss, stats, _ = accumulate_policy_gradient(run, ro, args, args.loss.beta)  # no optimizer step
@@ -1217,7 +1230,7 @@ def main(args: Args, typed: Collection[str] = (), argv: Sequence[str] | None = N
             return {}  # --resume of a finished run
         plugin_files = check_plugins(args, out, mode, typed, writer)
         with cli.user_errors():
-            dtype = model_io.resolve_dtype(args.dtype, device)
+            dtype = model_files.resolve_dtype(args.dtype, device)
             run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
         if args.dry_run:
             return dry_run(run, args)

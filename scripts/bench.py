@@ -12,10 +12,10 @@ How it measures (fp32, one run, one machine; CPU unless --device cuda):
 - Both paths live in this one process, each with its own copy of the model and optimizer from the same
   initialisation, and take turns step by step on the same prompts, seeds and rewards, so that a load spike
   from other processes hits both alike. Each path's first step is a warm-up and is not counted.
-- "ours" is train.py's default: sampling with each prompt's prefill run once
+- "ours" is trainer.py's default: sampling with each prompt's prefill run once
   (speedups.sample_shared_prefill), the frozen trunk recorded on the way, and only the K adapted blocks run
   for reference, old policy and policy.
-- "plain" is train.py with every speed-up off (--no-shared-prefill --no-trunk-reuse, no micro-batches, no
+- "plain" is trainer.py with every speed-up off (--no-shared-prefill --no-trunk-reuse, no micro-batches, no
   checkpointing) and transformers' generate on the G-times repeated rows (as before `num_return_sequences`),
   which prefills every prompt and encodes every image G times. Both draw the same tokens (same seed).
 - Phases, in ms per step (mean over the timed steps): sampling, trunk (ours: the recorded trunk's masks and
@@ -63,7 +63,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, lora_config, speedups, tasks, trainer
+from grpo_vlm import cli, lora_config, objectives, sampling_config, speedups, tasks, trainer
 
 PHASES = ("sampling", "trunk", "reference/old", "policy fwd+bwd", "optimizer")
 
@@ -230,16 +230,16 @@ def accumulate_policy_gradient(
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
 ) -> tuple[float, dict[str, float], torch.Tensor]:
-    """train.py's policy gradient in one process: logp with grad and the GRPO loss's backward, chunk by
+    """trainer.py's policy gradient in one process: logp with grad and the GRPO loss's backward, chunk by
     chunk, each normalised by the whole batch's rows and tokens; returns loss, stats and entropy (N, T)."""
     num_rows, num_tokens = mask.shape[0], mask.sum().clamp(min=1)
-    totals = grpo.BatchTotals(num_rows, num_tokens, args.sampling.max_new_tokens)
+    totals = objectives.BatchTotals(num_rows=num_rows, num_tokens=num_tokens)
     loss_sum, stats_sum, entropies = 0.0, {}, []
     for chunk in chunks:
         rows = chunk.rows
         options = dict(temperature=args.sampling.temperature, return_entropy=True)
         logp, entropy = speedups.chunk_logprobs(model, chunk, plan, **options)  # (n, T) with grad
-        loss, stats = grpo.grpo_loss(
+        loss, stats = objectives.grpo_loss(
             logp,
             old_logp[rows] if old_logp is not None else logp.detach(),
             ref_logp[rows] if ref_logp is not None else None,
@@ -247,6 +247,7 @@ def accumulate_policy_gradient(
             mask[rows],
             args.loss,
             totals=totals,
+            max_completion_length=args.sampling.max_new_tokens,
         )
         loss.backward()  # frees this chunk's activations before the next chunk's forward
         loss_sum += loss.item()
@@ -259,12 +260,12 @@ def accumulate_policy_gradient(
 def run_step(
     model, optimizer, batch, tokenizer, args: trainer.Args, seed: int, record: StepRecord, *, plain: bool
 ) -> int:
-    """One GRPO step of train.py, phase by phase; returns the number of completion tokens."""
+    """One GRPO step of trainer.py, phase by phase; returns the number of completion tokens."""
     plan = speedups.choose(model, args.speed, last_k=args.lora.lora_last_k)
     torch.manual_seed(seed)  # the same completions on both paths
     model.eval()
     with record("sampling"):
-        # train.py's sampling (ids, mask, texts). plain: generate on the G-times repeated rows, every prompt
+        # trainer.py's sampling (ids, mask, texts). plain: generate on the G-times repeated rows, every prompt
         # prefilled and every image encoded G times; ours: each prompt prefilled once, the trunk recorded.
         ids, recording = speedups.sample(
             model,
@@ -279,7 +280,7 @@ def run_step(
             suppress_token_ids=data.suppressed_tokens(tokenizer),
         )
         mask, _ = grpo.completion_mask(ids, tokenizer.eos_token_id)  # (N, T)
-        data.decode_completions(tokenizer, ids, mask)  # the texts train.py scores; here rewards are random
+        data.decode_completions(tokenizer, ids, mask)  # the texts trainer.py scores; here rewards are random
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(seed)).to(ids.device)  # scoring
     adv = grpo.group_advantages(reward, args.group_size)
     with record("trunk"):  # ours: the masks and positions of the recorded trunk; plain: all rows in one chunk
@@ -321,7 +322,7 @@ def path_args(config: Config, bench: BenchArgs, *, plain: bool) -> trainer.Args:
         batch_size=config.B,
         group_size=config.G,
         num_iterations=bench.num_iterations,
-        sampling=grpo.SamplingConfig(max_new_tokens=config.T),
+        sampling=sampling_config.SamplingConfig(max_new_tokens=config.T),
         lora=lora_config.LoRAConfig(lora_last_k=config.K, lora_r=config.r),
         speed=speed,
     )

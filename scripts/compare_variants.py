@@ -57,7 +57,7 @@ class Args:
     parallel: int = 2
     """Runs at a time (each on one thread)."""
     extra_flags: tuple[str, ...] = ()
-    """More train.py flags for every run, e.g. --num-iterations 2."""
+    """More trainer.py flags for every run, e.g. --num-iterations 2."""
     table_only: bool = False
 
 

@@ -84,6 +84,7 @@ from grpo_vlm import (
     grounding,
     model_files,
     multiturn,
+    sampling_config,
     scoring,
     speedups,
     tasks,
@@ -94,14 +95,14 @@ from scripts import outputs
 PRODUCER = "evaluate.py"  # named in the settings file beside each output: it continues only its own
 
 
-@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names, as train.py's: `--reward`, `--gate`
+@tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names, as trainer.py's: `--reward`, `--gate`
 @dataclass
 class Args:
     # --- model ---
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of the base model. The default is the tiny Qwen2.5-VL shipped in assets/."""
     adapter: str | None = None
-    """PEFT-format LoRA adapter folder written by train.py (e.g. runs/grpo/adapter). None: the base model."""
+    """A PEFT-format LoRA adapter folder (runs/grpo/adapter, or the reference's). None: the base model."""
     compare: bool = False
     """Evaluate the base model AND base + --adapter, and write one report with both columns."""
     device: str = "auto"
@@ -113,17 +114,17 @@ class Args:
     data: tuple[str, ...] = ()
     """JSONL file(s) to evaluate. Empty: the held-out split of the built-in task `--task`."""
     task: Literal["inspection", "shapes", "summaries", "inspection-zoom"] = "inspection"
-    """Built-in synthetic task used when --data is empty (its held-out split, as in train.py)."""
+    """Built-in synthetic task used when --data is empty (its held-out split, as in trainer.py)."""
     prompt_template: str | None = None
-    """Text file rendering samples that carry per-image `summaries`, as train.py's --prompt-template."""
+    """Text file rendering samples that carry per-image `summaries`, as trainer.py's --prompt-template."""
     eval_size: int = 200
     """Number of built-in held-out samples."""
     max_prompt_length: int = 4096
     """Longest prompt in tokens, image tokens included. Longer prompts raise (never truncated)."""
     min_pixels: int | None = None
-    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's), as train.py."""
+    """Qwen-VL resizes every image to at least this many pixels (default: the checkpoint's), as trainer.py."""
     max_pixels: int | None = None
-    """... and at most this many (default: the checkpoint's), as train.py."""
+    """... and at most this many (default: the checkpoint's), as trainer.py."""
 
     # --- generation ---
     batch_size: int = 16
@@ -150,9 +151,9 @@ class Args:
     one of the same size (blank) or with the images permuted across samples (shuffle), into
     <stem>.blank.jsonl / <stem>.shuffle.jsonl (each model of --compare too), reported beside the real ones."""
     rewards: scoring.RewardConfig = field(default_factory=scoring.RewardConfig)
-    """Rewards, as train.py reads them (scoring.py); default: the built-in task's (required with --data)."""
+    """Rewards, as trainer.py reads them (scoring.py); default: the built-in task's (required with --data)."""
     tools: tools.ToolConfig = field(default_factory=tools.ToolConfig)
-    """Tool calls, as train.py's (tools.py, multiturn.py): completions are multi-turn, scored on their final
+    """Tool calls, as trainer.py's (tools.py, multiturn.py): completions are multi-turn, scored on their final
     answers; each line then has each completion's `turns` and `tool_calls`."""
 
 
@@ -197,21 +198,14 @@ def generate(
     `lengths`, and each completion's own `samples` (its trajectory and calls) and `turns`."""
     k = args.num_samples
     greedy = k == 1
-    options = data.sampling_options(
+    options = sampling_config.sampler_options(
         tokenizer,
         model.generation_config,
         max_new_tokens=args.max_new_tokens,
         temperature=0.0 if greedy else args.temperature,
         top_p=1.0 if greedy else args.top_p,
     )
-    batch = data.prepare_prompts(
-        samples,
-        tokenizer,
-        image_processor,
-        device=device,
-        max_prompt_length=args.max_prompt_length,
-        loader=dataset.image_loader(image_processor),
-    )
+    batch = dataset.prepare_prompts(samples, tokenizer, image_processor, device=device)  # lengths: checked
     rows = [slice(b * k, (b + 1) * k) for b in range(len(samples))]
     samples = dataset.with_grounding(samples, image_processor, frame)
     if use is not None:  # multi-turn, turn by turn (multiturn.py); rows b*k .. b*k+k-1 are sample b's
@@ -239,7 +233,7 @@ def generate(
 
 
 def resolve_rewards(args: Args, task: str | None) -> list[rewards.Reward]:
-    """--reward, --reward-weight and --gate as train.py reads them; without --reward, the task's defaults."""
+    """--reward, --reward-weight and --gate as the trainer reads them; with no --reward, the task's."""
     names = args.rewards.reward or tasks.TASK_REWARDS.get(task, ())
     cli.check(bool(names), "--reward", "is required with --data (e.g. --reward label format)")
     config = args.rewards
@@ -444,7 +438,9 @@ def check_args(args: Args) -> None:
     if args.adapter is not None:
         config = Path(args.adapter) / model_io.ADAPTER_CONFIG
         cli.check(
-            config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
+            config.is_file(),
+            "--adapter",
+            f"{config} does not exist: give a folder written by trainer.py",
         )
     written = []
     for _, path, _, _ in planned_runs(args):
@@ -463,7 +459,7 @@ def load_model(args: Args, device: torch.device):
     """(model, tokenizer, image_processor), with --adapter loaded; a path or adapter that does not fit is a
     UsageError."""
     with cli.user_errors("--dtype: "):
-        dtype = model_io.resolve_dtype(args.dtype, device)
+        dtype = model_files.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
         model, tokenizer, image_processor = model_files.load_model(args.model, device=device, dtype=dtype)
     with cli.user_errors():
@@ -499,7 +495,7 @@ def evaluate(args: Args) -> dict[str, dict]:
     with cli.user_errors():  # every image decodes and every prompt fits, before the first batch
         dataset.check_samples(samples, tokenizer, image_processor, max_prompt_length=args.max_prompt_length)
     use = None
-    if args.tools.max_tool_calls:  # multi-turn completions with tool calls, as train.py samples them
+    if args.tools.max_tool_calls:  # multi-turn completions with tool calls, as trainer.py samples them
         suppressed = data.suppressed_tokens(
             tokenizer, data.end_of_turn_ids(tokenizer, model.generation_config)
         )

@@ -71,8 +71,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data
 import grpo
 import lora
-import model_io
-from grpo_vlm import attention, cli, distributed, lora_config, memory, speedups, trainer
+from grpo_vlm import (
+    attention,
+    cli,
+    distributed,
+    lora_config,
+    memory,
+    model_files,
+    objectives,
+    speedups,
+    trainer,
+)
 
 # Qwen2.5-VL's public config.json numbers (memory.QWEN25_VL, shared with the estimate) with what a random
 # build needs beside them, and a tiny model of the kind: name -> (text config, vision config, first special
@@ -160,7 +169,7 @@ class Args:
     max_new_tokens: int | None = None
     """T, the completion length (random weights rarely end a row early). Default: 256 (3b, 7b), 8 (tiny)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold (1.0: off), as train.py's --top-p."""
+    """Nucleus sampling threshold (1.0: off), as trainer.py's --top-p."""
     micro_batch_size: int | None = None
     """Rows per chunk of the log-prob passes and the backward in the default step (None: all N)."""
     gradient_checkpointing: bool = False
@@ -245,7 +254,7 @@ def random_prompts(config, workload: dict, device: torch.device, seed: int) -> d
 
 
 def sampling_options(config, max_new_tokens: int, top_p: float) -> dict:
-    """train.py's sampler options at temperature 1: the two ends of turn, no other special token."""
+    """trainer.py's sampler options at temperature 1: the two ends of turn, no other special token."""
     first = config.pad_token_id
     ends = [first, first + IM_END]
     suppress = [t for t in range(first, first + NUM_SPECIALS) if t not in ends]
@@ -262,13 +271,13 @@ def gpu_step(
     optimizer: torch.optim.Optimizer,
     s: Setup,
     plan: speedups.Plan,
-    loss_config: grpo.LossConfig,
-    adv_config: grpo.AdvantageConfig,
+    loss_config: objectives.LossConfig,
+    adv_config: objectives.AdvantageConfig,
     *,
     num_iterations: int = 1,
     phase: Callable = untimed,
 ) -> tuple[float, float]:
-    """One GRPO step as train.py's `train_step` takes it, with random rewards: sample -> mask -> advantages
+    """One GRPO step as trainer.py's `train_step` takes it, with random rewards: sample -> mask -> advantages
     -> old and reference log-probs -> logp with grad, loss, backward -> clip, AdamW. (loss, grad norm)."""
     G, T, options = s.group_size, s.sampling["max_new_tokens"], dict(temperature=s.sampling["temperature"])
     model.eval()
@@ -276,7 +285,7 @@ def gpu_step(
         ids, recording = speedups.sample(model, s.prompts.inputs, plan, group_size=G, **s.sampling)  # (N, T)
     mask, _ = grpo.completion_mask(ids, s.sampling["eos_token_id"])  # (N, T)
     reward = torch.rand(ids.shape[0], generator=torch.Generator().manual_seed(s.seed)).to(s.device)  # (N,)
-    adv = grpo.advantages(reward, None, None, G, adv_config)  # (N,)
+    adv = objectives.advantages(reward, None, None, G, adv_config)  # (N,)
     with phase("trunk"):
         chunks = speedups.row_chunks(model, s.rows, ids, recording, plan)
     with phase("reference/old"), torch.no_grad():
@@ -286,7 +295,7 @@ def gpu_step(
         if loss_config.beta > 0:
             with lora.adapters_disabled(model):
                 ref_logp = torch.cat([speedups.chunk_logprobs(model, c, plan, **options)[0] for c in chunks])
-    totals = grpo.BatchTotals(ids.shape[0], mask.sum().clamp(min=1), T)
+    totals = objectives.BatchTotals(num_rows=ids.shape[0], num_tokens=mask.sum().clamp(min=1))
     model.train()
     for _ in range(num_iterations):
         with phase("policy fwd+bwd"):
@@ -296,8 +305,15 @@ def gpu_step(
                 logp, _ = speedups.chunk_logprobs(model, c, plan, **options)  # (n, T) with grad
                 old = old_logp[c.rows] if old_logp is not None else logp.detach()  # mu = 1: ratio 1
                 ref = ref_logp[c.rows] if ref_logp is not None else None
-                loss, _ = grpo.grpo_loss(
-                    logp, old, ref, adv[c.rows], mask[c.rows], loss_config, totals=totals
+                loss, _ = objectives.grpo_loss(
+                    logp,
+                    old,
+                    ref,
+                    adv[c.rows],
+                    mask[c.rows],
+                    loss_config,
+                    totals=totals,
+                    max_completion_length=T,
                 )
                 loss.backward()
                 loss_sum += loss.item()
@@ -345,7 +361,7 @@ def full_logprobs(model: torch.nn.Module, s: Setup, ids: torch.Tensor) -> torch.
 def check_sampler(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
     def equal_rows() -> tuple[int, int]:
         torch.manual_seed(s.seed)
-        theirs, _ = grpo.sample_completions(
+        theirs = grpo.sample_completions(
             model, s.prompts.inputs, num_return_sequences=s.group_size, **s.sampling
         )
         mine, _ = ours(model, s)
@@ -396,7 +412,7 @@ def check_step(
     model: torch.nn.Module, optimizer, s: Setup, loss: dict, adv: dict, speed: dict, num_iterations: int
 ) -> tuple[bool, str]:
     plan = speedups.choose(model, dataclasses.replace(s.speed, **speed), last_k=s.lora.lora_last_k)
-    configs = grpo.LossConfig(**loss), grpo.AdvantageConfig(**adv)
+    configs = objectives.LossConfig(**loss), objectives.AdvantageConfig(**adv)
     torch.manual_seed(s.seed)
     value, grad_norm = gpu_step(model, optimizer, s, plan, *configs, num_iterations=num_iterations)
     trained = {id(p) for p in lora.lora_parameters(model)}
@@ -430,7 +446,7 @@ def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str
     phase, ms, peak = phase_clock(s.device)
     plan = speedups.choose(model, s.speed, last_k=s.lora.lora_last_k)
     torch.manual_seed(s.seed)
-    gpu_step(model, optimizer, s, plan, grpo.LossConfig(), grpo.AdvantageConfig(), phase=phase)
+    gpu_step(model, optimizer, s, plan, objectives.LossConfig(), objectives.AdvantageConfig(), phase=phase)
     speed = s.speed
     estimate = memory.estimate(
         model.config,
@@ -516,7 +532,9 @@ def check_determinism(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool
                 copy.deepcopy(moments)
             )  # NOTE: a copy: AdamW updates its state in place
             torch.manual_seed(s.seed)
-            loss, _ = gpu_step(model, optimizer, s, plan, grpo.LossConfig(), grpo.AdvantageConfig())
+            loss, _ = gpu_step(
+                model, optimizer, s, plan, objectives.LossConfig(), objectives.AdvantageConfig()
+            )
             results.append((loss, [p.detach().clone() for p in params]))
     finally:
         torch.use_deterministic_algorithms(False)
@@ -739,7 +757,7 @@ def main(args: Args) -> None:
     check_args(args)
     with cli.user_errors():
         device = distributed.resolve_device(args.device)
-        dtype = model_io.resolve_dtype(args.dtype, device)
+        dtype = model_files.resolve_dtype(args.dtype, device)
     name = args.shapes if args.shapes != "auto" else "3b" if device.type == "cuda" else "tiny"
     flags = dict(batch_size=args.batch_size, group_size=args.group_size, max_new_tokens=args.max_new_tokens)
     workload = WORKLOADS[name] | {key: value for key, value in flags.items() if value is not None}

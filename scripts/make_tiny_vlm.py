@@ -224,7 +224,7 @@ def build_model(tokenizer, seed: int) -> Qwen2_5_VLForConditionalGeneration:
 def sft_batch(samples, tokenizer, image_processor):
     """Prompt (left-padded) + reference completion + EOS, with labels only on the completion tokens."""
     batch = data.prepare_prompts(samples, tokenizer, image_processor, device="cpu")
-    P = batch.prompt_length
+    P = batch.inputs["input_ids"].shape[1]
     targets = [
         tokenizer(s["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         for s in samples
@@ -292,7 +292,7 @@ def greedy(model, tokenizer, image_processor, samples: list[dict], stop_ids: lis
         pad_token_id=tokenizer.pad_token_id,
     )
     texts = []
-    for row in out[:, batch.prompt_length :].tolist():
+    for row in out[:, batch.inputs["input_ids"].shape[1] :].tolist():
         stop = next((k for k, t in enumerate(row) if t in stop_ids), len(row) - 1)
         texts.append(tokenizer.decode(row[: stop + 1], skip_special_tokens=False))
     return texts
@@ -354,7 +354,7 @@ def held_out_metrics(model, tokenizer, image_processor, samples, *, batch_size: 
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        texts = tokenizer.batch_decode(out[:, batch.prompt_length :], skip_special_tokens=True)
+        texts = tokenizer.batch_decode(out[:, batch.inputs["input_ids"].shape[1] :], skip_special_tokens=True)
         for text, sample in zip(texts, chunk):
             exact.append(text.strip() == sample["answer"])
             if "label" in sample:

@@ -1,8 +1,9 @@
 """memory.py's estimate of a step's GPU memory for Qwen2.5-VL-3B and 7B, with the whole batch in one pass and
 with --micro-batch-size auto's choice for a budget (an estimate from shapes, not a measurement).
 
-    python scripts/memory_table.py                     # README's GPU command: B=8, G=8, P=1200, T=256, bf16
+    python scripts/memory_table.py                     # the full trainer: B=8, G=8, P=1200, T=256, bf16
     python scripts/memory_table.py --prompt-len 600 --device-gib 40
+    python scripts/memory_table.py --reference --batch-size 4 --prompt-len 1258   # README's train.py command
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class TableArgs:
     dtype_bytes: int = 2
     device_gib: float = 79.1
     """The device's memory (an 80 GB H100 shows 79.1 GiB); auto's budget is memory.SAFETY_FRACTION of it."""
+    reference: bool = False
+    """The reference's step (train.py, the full trainer's plain path): generate on all N rows, full forwards
+    of all N rows at once, their (N, T, V) fp32 logits; no micro-batch to choose."""
 
 
 def main(args: TableArgs) -> None:
@@ -43,12 +47,16 @@ def main(args: TableArgs) -> None:
         dtype_bytes=args.dtype_bytes,
         group_size=args.group_size,
     )
+    if args.reference:
+        shapes |= dict(trunk_reuse=False, shared_prefill=False)
     columns = {}
     for name, numbers in memory.QWEN25_VL.items():
         config = Qwen2_5_VLConfig(**numbers)
         columns[f"{name} whole batch"] = memory.estimate(
             config, micro_batch_size=None, gradient_checkpointing=False, **shapes
         )
+        if args.reference:
+            continue
         size, checkpointing = memory.choose_micro_batch(config, budget_bytes=budget, **shapes)
         label = f"{name} auto: {size} rows{', ckpt' if checkpointing else ''}"
         columns[label] = memory.estimate(

@@ -5,7 +5,7 @@ A script names what it reads and what it writes (`refuse_overwriting_inputs`): a
 with --overwrite. `claimed` then makes the output's folder, checks that it can be written (a small file
 written and removed, so a read-only, full or unwritable location fails before the slow work, not after it)
 and takes the output's lock (cli.hold_lock): `.<name>.lock` beside an output file, `.lock` inside an output
-folder (as in train.py's run folder). A second process on the same output is refused at once, naming the
+folder (as in trainer.py's run folder). A second process on the same output is refused at once, naming the
 holder; the lock files stay (hidden, a few bytes): deleting one would let two processes lock two files.
 
 A script writes each item's line whole, flushed and fsynced before the next, so a kill tears at most the

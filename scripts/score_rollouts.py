@@ -20,7 +20,7 @@ size is not G, and the bad lines with their line numbers and reasons. Both files
 
 Choices:
 - Groups are keyed by (step, prompt_id) when a line has `step`, else by prompt_id. Advantages are
-  `grpo.group_advantages` (scale "group", as train.py's default) called once per group with
+  `grpo.group_advantages` (scale "group", as trainer.py's default) called once per group with
   group_size = len(group), so groups of unequal size are still normalised within themselves.
 - NOTE: a group of one (no baseline to compare with) gets advantage 0.0; it is counted in
   `singleton_groups`, listed among the wrong-size groups, and counts as zero-std (it carries no signal).
@@ -284,7 +284,7 @@ def add_advantages(records: list[dict]) -> dict[tuple, list[int]]:
         if len(rows) == 1:  # NOTE: no baseline for a lone candidate; group_advantages rejects G = 1
             records[rows[0]]["advantage"] = 0.0
             continue
-        totals = torch.tensor([records[i]["reward"]["total"] for i in rows])  # float32, as train.py
+        totals = torch.tensor([records[i]["reward"]["total"] for i in rows])  # float32, as trainer.py
         for i, adv in zip(rows, grpo.group_advantages(totals, len(rows)).tolist()):
             records[i]["advantage"] = adv
     return dict(groups)

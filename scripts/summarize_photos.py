@@ -1,5 +1,5 @@
 """Stage A of the two-stage inspection pipeline: a VLM writes one text summary per photo, one JSONL line per
-installation, which stage B (train.py, evaluate.py) reads as it is.
+installation, which stage B (trainer.py, evaluate.py) reads as it is.
 
     python scripts/summarize_photos.py --photos shots/ --prompt-template prompts/bolts.txt \\
         --labels labels.csv --output runs/stage_a/bolts.jsonl            # shots/<group id>/*.jpg
@@ -90,7 +90,7 @@ import data
 import grpo
 import model_io
 import rewards
-from grpo_vlm import adapters, cli, dataset, distributed, files, model_files, speedups
+from grpo_vlm import adapters, cli, dataset, distributed, files, model_files, sampling_config, speedups
 from scripts import outputs
 
 DEFAULT_STAGE_B_PROMPT = (
@@ -124,7 +124,7 @@ class Args:
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of the VLM. The default is the tiny Qwen2.5-VL shipped in assets/."""
     adapter: str | None = None
-    """PEFT-format LoRA adapter folder written by train.py (e.g. runs/grpo/adapter). None: the base model."""
+    """A PEFT-format LoRA adapter folder (runs/grpo/adapter, or the reference's). None: the base model."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ..."""
     dtype: str = "auto"
@@ -133,7 +133,7 @@ class Args:
     # --- summaries ---
     prompt_template: str | None = None
     """Text file holding the question asked about every photo, used verbatim (one file per mission; no
-    placeholders, unlike train.py's --prompt-template). Required."""
+    placeholders, unlike trainer.py's --prompt-template). Required."""
     batch_size: int = 16
     """Photos per forward (one photo per prompt)."""
     max_new_tokens: int = 128
@@ -455,7 +455,7 @@ def describe_resizes(sizes: list[tuple[int, int]], image_processor) -> str | Non
 def load_model(args: Args, device: torch.device):
     """(model, tokenizer, image_processor), with --adapter loaded (load_adapter injects LoRA itself)."""
     with cli.user_errors("--dtype: "):
-        dtype = model_io.resolve_dtype(args.dtype, device)
+        dtype = model_files.resolve_dtype(args.dtype, device)
     with cli.user_errors("--model: "):
         model, tokenizer, image_processor = model_files.load_model(args.model, device=device, dtype=dtype)
     cli.check(
@@ -473,10 +473,8 @@ def summarise_photos(
 ) -> list[tuple[str, bool]]:
     """(summary on one line, truncated) of each photo, asked about with that photo alone in its prompt."""
     samples = [{"images": [str(p)], "prompt": prompt, "_where": f"group {g.id!r}"} for g, p in photos]
-    batch = data.prepare_prompts(
-        samples, tokenizer, image_processor, device=device, loader=dataset.image_loader(image_processor)
-    )
-    options = data.sampling_options(
+    batch = dataset.prepare_prompts(samples, tokenizer, image_processor, device=device)
+    options = sampling_config.sampler_options(
         tokenizer, model.generation_config, max_new_tokens=args.max_new_tokens, temperature=args.temperature
     )
     ids, _ = speedups.sample_shared_prefill(model, batch.inputs, group_size=1, **options)  # (photos, T)
@@ -595,7 +593,9 @@ def check_args(args: Args) -> None:
     if args.adapter is not None:
         config = Path(args.adapter) / model_io.ADAPTER_CONFIG
         cli.check(
-            config.is_file(), "--adapter", f"{config} does not exist: give a folder written by train.py"
+            config.is_file(),
+            "--adapter",
+            f"{config} does not exist: give a folder written by trainer.py",
         )
     for flag, value in (("--batch-size", args.batch_size), ("--max-new-tokens", args.max_new_tokens)):
         cli.check(value >= 1, flag, f"must be >= 1, got {value}")

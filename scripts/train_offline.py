@@ -33,7 +33,7 @@ Choices:
   policy prefers the higher-scored completions); val/margin, the group mean of mean_logp(best-scored) -
   mean_logp(worst-scored), reported only.
 - Adaptive KL (a per-step beta) and normalize_then_sum (several rewards) have no meaning here: refused.
-- One process per --output-dir (its lock: <output-dir>/.lock, as train.py's); an --output-dir that holds
+- One process per --output-dir (its lock: <output-dir>/.lock, as trainer.py's); an --output-dir that holds
   --data / --val-data or is inside --model is refused; a failed write is one line, status 74 (cli.py).
 """
 
@@ -64,14 +64,24 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, cli, dataset, distributed, files, logs, lora_config, model_files
+from grpo_vlm import (
+    adapters,
+    checkpoints,
+    cli,
+    dataset,
+    distributed,
+    logs,
+    lora_config,
+    model_files,
+    objectives,
+)
 from scripts import mock_rollouts, outputs
 
 
 @tyro.conf.configure(tyro.conf.OmitArgPrefixes)  # flat flag names: `--beta`, not `--loss.beta`
 @dataclasses.dataclass
 class Args:
-    """Offline GRPO: this script's flags, then the settings groups it shares with train.py."""
+    """Offline GRPO: this script's flags, then the settings groups it shares with trainer.py."""
 
     model: str = model_io.DEFAULT_MODEL
     """Local folder or hub id of a Qwen-VL checkpoint (or a text-only causal LM). Default: the tiny one."""
@@ -129,10 +139,10 @@ class Args:
     """Replace the run the output dir holds (its logs, checkpoints, best/ and adapter/)."""
     seed: int = 0
     """Seeds the validation split, the demo data, batch order and LoRA initialisation."""
-    adv: grpo.AdvantageConfig = dataclasses.field(default_factory=grpo.AdvantageConfig)
-    """Advantages of the scores (grpo.py)."""
-    loss: grpo.LossConfig = dataclasses.field(default_factory=grpo.LossConfig)
-    """The GRPO loss and its variants (grpo.py)."""
+    adv: objectives.AdvantageConfig = dataclasses.field(default_factory=objectives.AdvantageConfig)
+    """Advantages of the scores (grpo_vlm/objectives.py, grpo.py)."""
+    loss: objectives.LossConfig = dataclasses.field(default_factory=objectives.LossConfig)
+    """The GRPO loss and its variants (grpo_vlm/objectives.py, grpo.py)."""
     lora: lora_config.LoRAConfig = dataclasses.field(default_factory=lora_config.LoRAConfig)
     """LoRA (lora.py, grpo_vlm/lora_config.py): where, its rank and scale."""
 
@@ -248,7 +258,7 @@ def make_batches(samples: list[dict], tokenizer, args: Args) -> list[ScoredBatch
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (T - len(r)) for r in rows])  # (N, T)
         mask = torch.arange(T)[None, :] < torch.tensor([len(r) for r in rows])[:, None]  # (N, T)
         scores = torch.tensor([x for s, _ in chunk for x in s["scores"]], dtype=torch.float32)  # (N,)
-        adv = grpo.group_advantages(scores, G, scale=a.adv_scale, clip=a.adv_clip, baseline=a.adv_baseline)
+        adv = objectives.advantages(scores, None, None, G, a)
         batches.append(ScoredBatch([s for s, _ in chunk], G, ids, mask, scores, adv))
     return batches
 
@@ -280,13 +290,21 @@ def train_epoch(model, batches, logprobs_of, optimizer, scheduler, args: Args, e
         else:
             rows = curriculum_mask(b.scores, b.group_size, top_k)  # (N,) adv stays the full group's
             mask = (b.mask & rows[:, None]).to(logp.device)  # (N, T)
-            token_mask = grpo.high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None
+            token_mask = objectives.high_entropy_mask(entropy, mask, quantile) if quantile < 1 else None
             old_logp, adv = b.old_logp.to(logp.device), b.adv.to(logp.device)
             ref_logp = None if b.ref_logp is None else b.ref_logp.to(logp.device)
             # num_rows: "grpo" averages over the rows in the loss; dr_grpo divides by the longest completion.
-            totals = grpo.BatchTotals(int(rows.sum()), mask.sum().clamp(min=1), max_completion_length=max_len)
-            loss, stats = grpo.grpo_loss(
-                logp, old_logp, ref_logp, adv, mask, args.loss, token_mask=token_mask, totals=totals
+            totals = objectives.BatchTotals(num_rows=int(rows.sum()), num_tokens=mask.sum().clamp(min=1))
+            loss, stats = objectives.grpo_loss(
+                logp,
+                old_logp,
+                ref_logp,
+                adv,
+                mask,
+                args.loss,
+                token_mask=token_mask,
+                totals=totals,
+                max_completion_length=max_len,
             )
             stats["log_ratio_absmax"] = torch.where(mask, logp.detach() - old_logp, 0.0).abs().max().item()
             stats["frac_rows_in_loss"] = rows.float().mean().item()  # < 1 while the curriculum is on
@@ -374,7 +392,7 @@ def load_inputs(args: Args):
         else:
             train, val = split_validation(read_scored(args.data), args.val_fraction, args.seed)
     with cli.user_errors("--dtype: "):
-        dtype = model_io.resolve_dtype(args.dtype, device)
+        dtype = model_files.resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)  # LoRA's A matrices are drawn from it
     with cli.user_errors("--model: "):
         model, tokenizer, processor = model_files.load_model(args.model, device=device, dtype=dtype)
@@ -387,11 +405,7 @@ def load_inputs(args: Args):
 
     def logprobs_of(b: ScoredBatch, return_entropy: bool = False):
         """logp [and entropy] (N, T) of b's completions at temperature 1; prompt b in rows b*G .. b*G+G-1."""
-        P = args.max_prompt_length
-        loader = dataset.image_loader(processor)
-        prompts = data.prepare_prompts(
-            b.samples, tokenizer, processor, device=device, max_prompt_length=P, loader=loader
-        )
+        prompts = dataset.prepare_prompts(b.samples, tokenizer, processor, device=device)  # lengths: checked
         inputs, ids = data.repeat_rows(prompts, b.group_size).inputs, b.completion_ids.to(device)
         return grpo.completion_logprobs(model, inputs, ids, temperature=1.0, return_entropy=return_entropy)
 
@@ -406,9 +420,7 @@ def end_epoch(model, optimizer, records: list, record: dict, args: Args, val_bat
     record["best"] = is_better(args.best_by, record[key], best)
     state = {"epoch": record["epoch"], "metrics": record, "optimizer": optimizer.state_dict()}
     state["args"] = dataclasses.asdict(args)
-    adapter = functools.partial(
-        model_io.save_adapter, model, base_model_name_or_path=args.model, write=files.atomic_write
-    )
+    adapter = functools.partial(adapters.save_adapter, model, base_model_name_or_path=args.model)
     save = functools.partial(checkpoints.save_checkpoint, write_adapter=adapter, state=state)
     with cli.writing(out):  # a full disk or a vanished folder: one line, status 74
         save(out / f"checkpoint-{record['epoch']:06d}", keep_last=args.keep_last)
@@ -456,9 +468,7 @@ def train(args: Args) -> dict:
         record = train_epoch(model, batches, logprobs_of, opt, sched, args, epoch)
         end_epoch(model, opt, records, record, args, val_batches, logprobs_of)
     with cli.writing(out):
-        model_io.save_adapter(
-            model, out / "adapter", base_model_name_or_path=args.model, write=files.atomic_write
-        )
+        adapters.save_adapter(model, out / "adapter", base_model_name_or_path=args.model)
     summary = {"epochs": records[-1]["epoch"], "wall_time_s": round(time.time() - t_start, 1)}
     if best := [r["epoch"] for r in records if r.get("best")]:
         summary["best_epoch"] = best[-1]

@@ -166,25 +166,6 @@ def test_more_images_than_placeholders_in_messages_raises(tiny):
         data.prepare_prompts([sample], tok, ip, device="cpu")
 
 
-def test_prompt_longer_than_max_prompt_length_raises_naming_the_sample(tiny):
-    _, tok, ip = tiny
-    sample = {
-        "id": "long-7",
-        "images": [solid(112, 112, (9, 9, 9))],
-        "prompt": "inspect the installation. " * 5,
-    }
-    P = data.prepare_prompts([sample], tok, ip, device="cpu").prompt_length
-    exact = data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P)
-    assert exact.prompt_length == P  # at the limit: kept whole
-    with pytest.raises(
-        ValueError, match=rf"sample long-7: prompt is {P} tokens.*max_prompt_length is {P - 1}"
-    ):
-        data.prepare_prompts([sample], tok, ip, device="cpu", max_prompt_length=P - 1)
-
-
-# --- images above the image processor's pixel budget --------------------------------------------------------
-
-
 # --- images as the checkpoint's processor prepares them -----------------------------------------------------
 
 
@@ -214,7 +195,8 @@ def test_images_reach_the_model_as_the_checkpoints_processor_prepares_them_trans
     _, tok, ip = tiny
     image = image_in_mode(mode)
     image.save(tmp_path / "image.png")
-    assert Image.open(tmp_path / "image.png").mode == mode
+    with Image.open(tmp_path / "image.png") as saved:
+        assert saved.mode == mode
     # The reference: the checkpoint's processor alone, on the PIL image as opened.
     reference = ip(images=[image], return_tensors="pt")["pixel_values"]
     if mode != "I;16":  # 16-bit has no transparency: both conversions agree, and the case pins that
@@ -246,9 +228,20 @@ GOOD = json.dumps({"id": "ok", "prompt": "fine"})
         ([GOOD, "[1, 2]"], 2, "must be a JSON object, got list"),
         ([GOOD, "", json.dumps({"id": "x", "images": []})], 3, "exactly one of 'prompt'"),
         ([json.dumps({"prompt": "a", "messages": [{"role": "user", "content": "a"}]})], 1, "exactly one of"),
-        ([json.dumps({"prompt": "   "})], 1, "'prompt' must be a non-empty string"),
-        ([GOOD, json.dumps({"prompt": "a", "images": "img.png"})], 2, "'images' must be a list"),
-        ([json.dumps({"prompt": "a", "images": ["missing.png"]})], 1, "image 'missing.png' not found"),
+        ([json.dumps({"prompt": "   "})], 1, "prompt: must be a non-empty string"),
+        ([GOOD, json.dumps({"prompt": "a", "images": "img.png"})], 2, "images: must be a list"),
+        ([json.dumps({"prompt": "a", "images": ["missing.png"]})], 1, "images: 'missing.png' not found"),
+        ([json.dumps({"prompt": "a", "images": ["a\u0000b.png"]})], 1, "images: 'a\\\\x00b.png' not found"),
+        (
+            ['{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+            1,
+            "invalid JSON: maximum recursion depth",
+        ),
+        (
+            [GOOD, '{"prompt": "ab\\ud800c"}'],
+            2,
+            "prompt: not valid text \\(a lone surrogate at character 3\\)",
+        ),
     ],
     ids=[
         "invalid-json-after-blank-lines",
@@ -258,6 +251,9 @@ GOOD = json.dumps({"id": "ok", "prompt": "fine"})
         "blank-prompt",
         "images-str",
         "missing",
+        "nul-byte",
+        "nested-too-deep",
+        "lone-surrogate",
     ],
 )
 def test_malformed_jsonl_line_raises_naming_file_and_line(tmp_path, lines, line, message):
@@ -287,48 +283,6 @@ def test_unreadable_image_raises_naming_file_and_line(tiny, tmp_path, content, m
         data.prepare_prompts(samples, tok, ip, device="cpu")
 
 
-# Each line with the 1-based column of the character at fault, counted by hand, and the hint expected.
-JSON_MISTAKES = [
-    # "x" closes at column 26, its comma is column 27; json notices only the '}' at column 28.
-    ('{"id": "a1", "prompt": "x",}', 27, "a trailing comma before '}'"),
-    # 26 characters, then the line ends where a ',' or '}' should follow: column 27.
-    ('{"id": "a1", "prompt": "x"', 27, "a missing '}'"),
-    # The key's opening quote is the second character.
-    ('{\'id\': "a1", "prompt": "x"}', 2, "JSON needs double quotes"),
-    # Cut inside a key: the unterminated string opens at column 14.
-    ('{"id": "a1", "pro', 14, "the line ends inside this string"),
-]
-
-
-@pytest.mark.parametrize("newline", ["\n", "\r\n"], ids=["lf", "crlf"])
-@pytest.mark.parametrize(
-    ("line", "column", "hint"), JSON_MISTAKES, ids=["trailing-comma", "no-brace", "single-quotes", "cut"]
-)
-def test_invalid_json_names_file_line_and_the_real_column_with_a_hint_and_the_line(
-    tmp_path, newline, line, column, hint
-):
-    path = tmp_path / "data.jsonl"
-    path.write_bytes(newline.join([GOOD, "", line, GOOD]).encode() + newline.encode())
-    with pytest.raises(ValueError) as raised:
-        data.read_jsonl(path)
-    message = str(raised.value)
-    assert "\n" not in message
-    assert re.match(rf"{re.escape(str(path))}:3:{column}: invalid JSON: .*{re.escape(hint)}", message)
-    assert message.endswith("; near: " + line)  # a short line is shown whole
-
-
-def test_a_long_line_is_shown_around_the_fault_only(tmp_path):
-    line = '{"prompt": "' + "图" * 300 + '", "id": 1,}'
-    path = tmp_path / "data.jsonl"
-    path.write_text(line + "\n", encoding="utf-8")
-    with pytest.raises(ValueError) as raised:
-        data.read_jsonl(path)
-    message = str(raised.value)
-    assert f":1:{len(line) - 1}: invalid JSON: " in message  # the comma before the last '}'
-    excerpt = message.split("; near: ")[1]
-    assert excerpt.startswith("...图") and excerpt.endswith('", "id": 1,}') and len(excerpt) < 70
-
-
 def test_a_byte_that_is_not_utf8_names_file_line_the_byte_and_its_column(tmp_path):
     path = tmp_path / "data.jsonl"
     latin1 = '{"prompt": "café"}'.encode("latin-1")  # é is the 16th character, one byte 0xe9 in Latin-1
@@ -343,14 +297,6 @@ def test_a_byte_that_is_not_utf8_names_file_line_the_byte_and_its_column(tmp_pat
     with pytest.raises(
         ValueError, match=rf"^{re.escape(str(path))}:2: not UTF-8 \(byte 0xff at column 14\)$"
     ):
-        data.read_jsonl(path)
-
-
-def test_json_nested_too_deeply_for_the_parser_names_file_and_line(tmp_path):
-    path = tmp_path / "data.jsonl"
-    deep = '{"prompt": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
-    path.write_text(f"{GOOD}\n\n{deep}\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:3: JSON nested too deeply$"):
         data.read_jsonl(path)
 
 
@@ -370,7 +316,7 @@ def test_a_malformed_chat_turn_is_refused_at_load_naming_its_index(tmp_path, tur
     good = {"role": "user", "content": [{"type": "text", "text": "a"}]}
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"messages": [good, turn]}) + "\n", encoding="utf-8")
-    expected = 'messages[1]: must be {"role": string, "content": string or list of objects}'
+    expected = 'messages[1]: must be {"role": string, "content": string or list}'
     with pytest.raises(ValueError, match=rf"^{re.escape(f'{path}:1: {expected}')}$"):
         data.read_jsonl(path)
     path.write_text(

@@ -10,7 +10,6 @@ import huggingface_hub.constants
 import pytest
 import torch
 from conftest import make_random_causal_lm
-from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2ForCausalLM
 
 import lora
@@ -80,23 +79,66 @@ def test_cosine_with_warmup_climbs_linearly_then_decays_to_zero_and_stays_there(
     assert lrs == pytest.approx(expected, abs=1e-12)
 
 
-# --- damaged or odd adapter files ---------------------------------------------------------------------------
+# --- a run's checkpoint: written whole, read back or refused by name -------------------------------------
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_an_adapter_with_nan_or_inf_weights_is_refused_naming_the_file_and_the_tensor(tmp_path, bad):
+def small_training_state():
     model = make_random_causal_lm()
     lora.inject_lora(model, r=2, alpha=4.0, last_k=1)
-    model_io.save_adapter(model, tmp_path, base_model_name_or_path="tiny")
-    weights = tmp_path / model_io.ADAPTER_WEIGHTS
-    tensors = load_file(weights)
-    key = max(tensors)
-    tensors[key][0, -1] = bad
-    save_file(tensors, weights)
-    fresh = make_random_causal_lm()
-    with pytest.raises(ValueError, match=rf"^{re.escape(f'{weights}: {key!r}')} holds NaN or inf values"):
-        model_io.load_adapter(fresh, tmp_path)
-    assert not lora.lora_modules(fresh)  # refused before the model changed
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-3)
+    scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=1, total_steps=4)
+    return model, optimizer, scheduler
+
+
+def test_a_checkpoint_restores_lora_adamw_the_schedule_and_the_rng_state(tmp_path):
+    model, optimizer, scheduler = small_training_state()
+    for p in lora.lora_parameters(model):
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    scheduler.step()
+    path = tmp_path / "checkpoint.pt"
+    model_io.save_checkpoint(path, model, optimizer, scheduler, step=3, settings={"a": 1})
+    drawn = torch.rand(3)  # what the run draws next
+    fresh, fresh_optimizer, fresh_scheduler = small_training_state()
+    state = model_io.load_checkpoint(path)
+    assert model_io.restore_checkpoint(state, fresh, fresh_optimizer, fresh_scheduler) == 3
+    assert state["settings"] == {"a": 1} and not (tmp_path / "checkpoint.tmp").exists()
+    assert all(torch.equal(a, b) for a, b in zip(lora.lora_parameters(fresh), lora.lora_parameters(model)))
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1 and fresh_scheduler.last_epoch == 1
+    assert torch.equal(torch.rand(3), drawn)
+
+
+def test_a_full_disk_leaves_the_previous_checkpoint_whole_names_the_file_and_no_temporary_file(
+    tmp_path, monkeypatch
+):
+    model, optimizer, scheduler = small_training_state()
+    path = tmp_path / "checkpoint.pt"
+    model_io.save_checkpoint(path, model, optimizer, scheduler, step=1, settings={})
+    before = path.read_bytes()
+
+    def disk_full(state, target):  # half a file written, then ENOSPC, as a full disk does
+        Path(target).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match=rf"^cannot write {re.escape(str(path))}: No space left on device$"):
+        model_io.save_checkpoint(path, model, optimizer, scheduler, step=2, settings={})
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "cut", "not a checkpoint"])
+def test_a_missing_cut_or_foreign_checkpoint_is_one_error_naming_the_file(tmp_path, damage):
+    model, optimizer, scheduler = small_training_state()
+    path = tmp_path / "checkpoint.pt"
+    model_io.save_checkpoint(path, model, optimizer, scheduler, step=1, settings={})
+    if damage == "missing":
+        path.unlink()
+    elif damage == "cut":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        path.write_text("notes, not tensors\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} cannot be read as a checkpoint"):
+        model_io.load_checkpoint(path)
 
 
 # --- load_model errors and text-only models -----------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Tests for rewards.py: hand-computed values for every built-in, the gate rule, plug-in loading errors."""
 
-import functools
 import math
 import sys
 
@@ -10,13 +9,10 @@ from rewards import (
     BUILTIN_REWARDS,
     Reward,
     answer_match,
-    exact_match,
     format_reward,
     label_reward,
     load_reward,
-    numeric_match,
     score,
-    think_answer_format,
 )
 
 PASS = {"label": "通过"}
@@ -118,17 +114,7 @@ def test_label_not_a_verdict_in_sample_raises():
         label_reward("通过", {"label": "ok"})
 
 
-# --- exact / normalised answers ---------------------------------------------------------------------------
-
-
-def test_exact_match_strips_but_is_otherwise_exact():
-    assert exact_match("  Paris \n", {"answer": "Paris"}) == 1.0
-    assert exact_match("paris", {"answer": "Paris"}) == 0.0
-    assert exact_match("42", {"answer": 42}) == 1.0
-
-
-def test_exact_match_reads_the_answer_block_when_present():
-    assert exact_match("<think>maybe Rome</think><answer>Paris</answer>", {"answer": "Paris"}) == 1.0
+# --- normalised answers -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -147,82 +133,6 @@ def test_answer_match_normalises_case_whitespace_and_end_punctuation(completion,
 def test_answer_match_keeps_inner_punctuation_and_symbols():
     assert answer_match("U.S.A.", {"answer": "USA"}) == 0.0
     assert answer_match("$42", {"answer": "42"}) == 0.0  # "$" is a symbol (Sc), "%" would be punctuation (Po)
-
-
-# --- numeric ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "completion, expected",
-    [
-        ("The answer is 3.14159", 3.14159),
-        ("first 2 then 7", 7.0),
-        ("total: 1,000 items", 1000.0),
-        ("temperature -3", -3.0),
-        ("5-3", 3.0),
-        ("答案是４２", 42.0),
-        ("1e-3", 1e-3),
-        ("<think>maybe 5</think><answer>12</answer> then 99", 12.0),
-    ],
-)
-def test_numeric_match_reads_last_number_or_answer_block(completion, expected):
-    assert numeric_match(completion, {"answer": expected}) == 1.0
-
-
-def test_numeric_match_default_tolerance_is_one_in_a_million():
-    assert numeric_match("1000000.5", {"answer": 1000000}) == 1.0  # relative 5e-7
-    assert numeric_match("1000002", {"answer": 1000000}) == 0.0  # relative 2e-6
-    assert numeric_match("0.0000005", {"answer": 0}) == 1.0  # absolute 5e-7
-    assert numeric_match("0.000002", {"answer": 0}) == 0.0
-
-
-def test_numeric_match_tolerance_overridable_with_partial():
-    loose = functools.partial(numeric_match, abs_tol=0.01)
-    assert loose("3.145", {"answer": "3.14"}) == 1.0
-    assert numeric_match("3.145", {"answer": "3.14"}) == 0.0
-
-
-def test_numeric_match_without_a_number_scores_zero():
-    assert numeric_match("no idea", {"answer": 3}) == 0.0
-
-
-# --- think / answer format --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "completion", ["<think>a</think><answer>b</answer>", "\n<think>\na\n</think>\n\n<answer> b </answer>\n"]
-)
-def test_think_answer_format_accepts_blocks_with_whitespace(completion):
-    assert think_answer_format(completion, {}) == 1.0
-
-
-@pytest.mark.parametrize(
-    "completion",
-    [
-        "so <think>a</think><answer>b</answer>",
-        "<think>a</think>so<answer>b</answer>",
-        "<think>a</think><answer>b</answer> done",
-        "<answer>b</answer><think>a</think>",
-        "<think>a</think>x</think><answer>b</answer>",
-        "<think>a</think><answer>b</answer><answer>c</answer>",
-        "<think>a</think><answer> </answer>",
-        "<think></think><answer>b</answer>",
-        "<think>a</think><answer>b",
-    ],
-    ids=[
-        "text-before",
-        "text-between",
-        "text-after",
-        "wrong-order",
-        "extra-close",
-        "two-answers",
-        "empty-answer",
-        "empty-think",
-        "truncated",
-    ],
-)
-def test_think_answer_format_rejects_anything_else(completion):
-    assert think_answer_format(completion, {}) == 0.0
 
 
 def test_score_requires_completion_lengths_for_length_rewards():
@@ -328,8 +238,7 @@ def plugin_dir(tmp_path, monkeypatch):
 
 
 def test_builtin_names_resolve_to_builtin_functions():
-    names = ["label", "format", "exact_match", "answer_match", "numeric_match", "think_answer_format"]
-    assert list(BUILTIN_REWARDS) == names
+    assert list(BUILTIN_REWARDS) == ["label", "format", "answer_match"]
     assert load_reward("label") is label_reward
 
 
@@ -348,64 +257,36 @@ def test_plugin_declaring_completion_length_gets_it_from_score(plugin_dir):
     assert score(["a"], [{}], [Reward("len", fn)], completion_lengths=[9]).total == [-9.0]
 
 
-def test_builtin_can_be_bound_at_load_time():
-    fn = load_reward("numeric_match", abs_tol=0.5)
-    assert fn("3.4", {"answer": 3}) == 1.0
-
-
 def test_unknown_builtin_lists_known_names():
-    with pytest.raises(ValueError, match="unknown reward 'lable'.*label, format, exact_match"):
+    with pytest.raises(ValueError, match="unknown reward 'lable'; built-ins are label, format, answer_match"):
         load_reward("lable")
 
 
-def test_missing_module_error_includes_original_message(plugin_dir):
-    with pytest.raises(ValueError, match="No module named 'nonexistent_mod_xyz'.*sys.path") as info:
-        load_reward("nonexistent_mod_xyz:fn")
-    assert isinstance(info.value.__cause__, ModuleNotFoundError)
-
-
-def test_module_with_syntax_error_reports_it(plugin_dir):
-    with pytest.raises(ValueError, match="could not import reward module 'broken_syntax'") as info:
-        load_reward("broken_syntax:f")
-    assert isinstance(info.value.__cause__, SyntaxError)
-
-
-def test_module_with_failing_import_reports_the_missing_dependency(plugin_dir):
-    with pytest.raises(ValueError, match="No module named 'no_such_dependency_xyz'") as info:
-        load_reward("broken_import:f")
-    assert isinstance(info.value.__cause__, ImportError)
-
-
-def test_file_with_failing_import_reports_it_and_leaves_no_module_behind(plugin_dir):
-    with pytest.raises(ValueError, match="could not import reward file.*no_such_dependency_xyz"):
-        load_reward(f"{plugin_dir / 'broken_import.py'}:f")
-    assert "_reward_plugin_broken_import" not in sys.modules
+@pytest.mark.parametrize(
+    "spec, error, message",
+    [
+        ("nonexistent_mod_xyz:fn", ModuleNotFoundError, "No module named 'nonexistent_mod_xyz'"),
+        ("broken_syntax:f", SyntaxError, "cannot import broken_syntax"),
+        ("broken_import:f", ModuleNotFoundError, "No module named 'no_such_dependency_xyz'"),
+    ],
+)
+def test_a_module_that_does_not_import_is_one_error_naming_the_reward_and_why(
+    plugin_dir, spec, error, message
+):
+    with pytest.raises(ValueError, match=f"reward '{spec}'.*{message}") as info:
+        load_reward(spec)
+    assert isinstance(info.value.__cause__, error)
 
 
 def test_missing_file_is_reported(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match=r"cannot import .*nope\.py \(FileNotFoundError"):
         load_reward(f"{tmp_path / 'nope.py'}:f")
 
 
-def test_missing_attribute_is_reported(plugin_dir):
-    with pytest.raises(ValueError, match="'my_rewards' has no attribute 'nope'"):
-        load_reward("my_rewards:nope")
-
-
-def test_non_callable_attribute_is_reported(plugin_dir):
-    with pytest.raises(ValueError, match="'my_rewards:not_a_function' is not callable"):
-        load_reward("my_rewards:not_a_function")
-
-
-def test_wrong_signature_is_reported(plugin_dir):
-    with pytest.raises(ValueError, match=r"'my_rewards:one_arg' has signature \(completion\)"):
-        load_reward("my_rewards:one_arg")
-
-
-@pytest.mark.parametrize("spec", ["my_rewards:", ":good"])
-def test_incomplete_plugin_spec_is_reported(spec):
-    with pytest.raises(ValueError, match="must look like module:function"):
-        load_reward(spec)
+@pytest.mark.parametrize("name", ["nope", "not_a_function"])
+def test_a_name_that_is_no_function_of_the_module_is_reported(plugin_dir, name):
+    with pytest.raises(ValueError, match=f"reward 'my_rewards:{name}': my_rewards has no function '{name}'"):
+        load_reward(f"my_rewards:{name}")
 
 
 # --- portability ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from conftest import TINY_CHECKPOINT, VLM_FAMILIES, make_random_model
 from transformers import AutoImageProcessor, AutoTokenizer
 
+import grpo
 import lora
 import model_io
 from grpo_vlm import files
@@ -74,3 +75,16 @@ def lora_model_with_gradients(checkpoint: Path = TINY_CHECKPOINT):
             if torch.count_nonzero(p) == 0:
                 p.copy_(0.05 * torch.randn(p.shape, generator=generator))
     return model, tokenizer, image_processor
+
+
+def sample_with_logprobs(model, inputs: dict, **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """grpo.sample_completions' ids (N, T), and their log-probs from the very logits generate drew them from
+    (multiturn.generation_logits), at the sampling temperature (0: as 1)."""
+    from grpo_vlm import multiturn
+
+    with multiturn.generation_logits(model) as seen:
+        ids = grpo.sample_completions(model, inputs, **options)
+    logp, _ = grpo.logprobs_from_logits(
+        seen[0], ids, temperature=options["temperature"], return_entropy=False
+    )
+    return ids, logp

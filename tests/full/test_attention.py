@@ -11,7 +11,7 @@ import torch
 
 import model_io
 from full.helpers import train_args
-from grpo_vlm import attention, trainer
+from grpo_vlm import attention, model_files, trainer
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 REAL_FIND_SPEC = importlib.util.find_spec
@@ -33,7 +33,7 @@ def flash_attn(monkeypatch):
 
 
 def tiny(language: str = "sdpa"):
-    model, _, _ = model_io.load_model(
+    model, _, _ = model_files.load_model(
         model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32, attn_implementation=language
     )
     return model

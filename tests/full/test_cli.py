@@ -175,7 +175,7 @@ def test_each_settings_group_is_refused_with_the_flag_in_every_place_it_is_named
     [
         ({"lora_last_k": 0}, "--lora-last-k: must be >= 1, got 0"),
         ({"lora_r": 0}, "--lora-r: must be >= 1, got 0"),
-        ({"lora_alpha": -1.0}, "--lora-alpha: must be > 0, got -1.0"),
+        ({"lora_alpha": -1.0}, "--lora-alpha: must be a number > 0, got -1.0"),
         ({"lora_dropout": 1.0}, "--lora-dropout: must be in [0, 1), got 1.0"),
     ],
 )

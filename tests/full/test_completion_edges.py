@@ -15,7 +15,7 @@ import grpo
 import model_io
 import rewards
 from full.helpers import train_args
-from grpo_vlm import dataset, grounding, speedups, tasks, trainer
+from grpo_vlm import dataset, grounding, sampling_config, speedups, tasks, trainer
 from scripts import evaluate
 
 GROUNDING = list(data.GROUNDING_TOKENS)
@@ -51,7 +51,7 @@ def test_end_of_turn_ids_are_the_tokenizers_eos_and_every_id_the_generation_conf
 def test_sampling_options_end_on_every_end_of_turn_id_and_suppress_image_tokens_but_never_an_end(tokenizer):
     im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     listed = GenerationConfig(eos_token_id=[im_end, endoftext])
-    options = data.sampling_options(tokenizer, listed, max_new_tokens=5, temperature=0.7, top_p=0.9)
+    options = sampling_config.sampler_options(tokenizer, listed, max_new_tokens=5, temperature=0.7, top_p=0.9)
     assert options["eos_token_id"] == sorted([im_end, endoftext])
     assert IMAGE_PAD_ID in options["suppress_token_ids"]
     assert not set(options["suppress_token_ids"]) & {im_end, endoftext}
@@ -78,7 +78,7 @@ def test_sampler_stops_on_every_listed_end_id_exactly_as_generate():
     }
     options = dict(max_new_tokens=8, temperature=1.0, pad_token_id=PAD_ID, suppress_token_ids=[IMAGE_PAD_ID])
     torch.manual_seed(3)
-    free, _ = grpo.sample_completions(model, inputs, num_return_sequences=4, eos_token_id=EOS_ID, **options)
+    free = grpo.sample_completions(model, inputs, num_return_sequences=4, eos_token_id=EOS_ID, **options)
     second_end = int(free[0, 1])  # a token the model does draw: make it an end of turn too
     assume = second_end not in (EOS_ID, PAD_ID)
     assert assume, "pick another seed: the drawn token is already EOS or PAD"
@@ -86,7 +86,7 @@ def test_sampler_stops_on_every_listed_end_id_exactly_as_generate():
     torch.manual_seed(3)
     ours, _ = speedups.sample_shared_prefill(model, inputs, group_size=4, eos_token_id=ends, **options)
     torch.manual_seed(3)
-    ref, _ = grpo.sample_completions(model, inputs, num_return_sequences=4, eos_token_id=ends, **options)
+    ref = grpo.sample_completions(model, inputs, num_return_sequences=4, eos_token_id=ends, **options)
     assert torch.equal(ours, ref)
     mask, _ = grpo.completion_mask(ours, ends)
     assert mask[0].sum() == 2 and bool((ours[0, 2:] == PAD_ID).all())  # row 0 ended on the second id
@@ -133,12 +133,12 @@ def test_max_pixels_shrinks_the_resize_and_the_prompt_length_check_uses_it(token
     sample = {"id": "big", "prompt": "look", "images": [Image.new("RGB", (333, 517), "white")]}
     before = data.prepare_prompts([sample], tokenizer, processor, device="cpu")
     assert seen_sizes(before, processor) == [[84, 112]]  # 12 x 16 patches of 7
-    limit = before.prompt_length - 1
+    limit = before.inputs["input_ids"].shape[1] - 1
     with pytest.raises(ValueError):
         dataset.check_samples([sample], tokenizer, processor, max_prompt_length=limit)
     dataset.set_pixel_budget(processor, None, 4 * 28 * 28)
     after = data.prepare_prompts([sample], tokenizer, processor, device="cpu")
-    assert seen_sizes(after, processor) == [[28, 56]] and after.prompt_length < limit
+    assert seen_sizes(after, processor) == [[28, 56]] and after.inputs["input_ids"].shape[1] < limit
     dataset.check_samples([sample], tokenizer, processor, max_prompt_length=limit)  # fits now
     with pytest.raises(ValueError, match="--min-pixels/--max-pixels"):
         dataset.set_pixel_budget(processor, 10_000, 5_000)

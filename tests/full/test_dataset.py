@@ -108,11 +108,13 @@ def test_check_samples_counts_the_images_the_processor_shrinks_and_names_the_lar
     # Independent reference: the processor's own output covers fewer pixels exactly for the counted ones.
     batch = data.prepare_prompts(samples, tok, ip, device="cpu")
     grid = batch.inputs["image_grid_thw"]  # (images, 3)
-    assert report.longest_prompt == batch.prompt_length  # the batch is padded to its longest prompt
+    assert (
+        report.longest_prompt == batch.inputs["input_ids"].shape[1]
+    )  # the batch is padded to its longest prompt
     kept = (grid[:, 1] * grid[:, 2] * ip.patch_size**2).tolist()
     assert [k < w * h for k, (w, h) in zip(kept, sizes)] == [False, False, True, True, True]
     # The prompt-length bound still counts the resized images' tokens exactly.
-    P = data.prepare_prompts(samples[3:4], tok, ip, device="cpu").prompt_length
+    P = data.prepare_prompts(samples[3:4], tok, ip, device="cpu").inputs["input_ids"].shape[1]
     dataset.check_samples(samples[3:4], tok, ip, max_prompt_length=P)
     with pytest.raises(ValueError, match=rf"sample s3: prompt is {P} tokens"):
         dataset.check_samples(samples[3:4], tok, ip, max_prompt_length=P - 1)

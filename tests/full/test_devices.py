@@ -42,7 +42,7 @@ from transformers import AutoImageProcessor, AutoTokenizer
 import grpo
 import lora
 import model_io
-from grpo_vlm import cli, dataset, distributed, metrics, speedups, trainer
+from grpo_vlm import cli, dataset, distributed, metrics, model_files, objectives, speedups, trainer
 
 OTHER = torch.device("meta")
 
@@ -168,23 +168,26 @@ def test_the_stand_in_device_refuses_a_cpu_tensor_as_cuda_does_and_computes_on_v
     assert float(torch.quantile(x, 0.5)) == 1.5 and not isinstance(x.cpu(), OnOther)
 
 
-# --- grpo.py ----------------------------------------------------------------------------------------------
+# --- grpo.py and objectives.py ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 @pytest.mark.parametrize("baseline", ["group", "rloo", "batch"])
 def test_group_advantages_follow_the_rewards_device(scale, baseline, other_device):
     rewards = on_other([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])  # a zero-variance group too
-    adv = grpo.group_advantages(rewards, 2, scale=scale, baseline=baseline, clip=1.5)
+    config = objectives.AdvantageConfig(adv_scale=scale, adv_baseline=baseline, adv_clip=1.5)
+    adv = objectives.advantages(rewards, None, None, 2, config)
     assert_on_other(adv)
     assert adv.shape == (6,)
 
 
 def test_gdpo_advantages_take_reward_weights_made_on_the_cpu_to_the_components_device(other_device):
     components = on_other([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
-    config = grpo.AdvantageConfig(multi_objective_aggregation="normalize_then_sum", adv_clip=2.0)
-    adv = grpo.advantages(on_other([1.0, 1.0, 2.0, 1.0]), components, torch.tensor([1.0, 0.5]), 2, config)
-    assert_on_other(adv, grpo.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2))
+    config = objectives.AdvantageConfig(multi_objective_aggregation="normalize_then_sum", adv_clip=2.0)
+    adv = objectives.advantages(
+        on_other([1.0, 1.0, 2.0, 1.0]), components, torch.tensor([1.0, 0.5]), 2, config
+    )
+    assert_on_other(adv, objectives.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2))
 
 
 def test_train_advantages_make_gdpo_weights_on_the_rewards_device(other_device):
@@ -206,18 +209,18 @@ def loss_inputs(N: int = 4, T: int = 5):
     return logp, old_logp, ref_logp, on_other([1.0, -1.0, 0.5, -0.5]), mask
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_every_loss_its_stats_and_its_gradient_follow_the_log_probs_device(loss_type, level, other_device):
     logp, old_logp, ref_logp, adv, mask = loss_inputs()
-    config = grpo.LossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=4.0)
+    config = objectives.LossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, delta=4.0)
     config.use_bias_correction_kl = level == "token"
-    totals = grpo.BatchTotals(*distributed.batch_counts(mask), max_completion_length=5)
+    num_rows, num_tokens = distributed.batch_counts(mask)
+    totals = objectives.BatchTotals(num_rows=num_rows, num_tokens=num_tokens)
     assert_on_other(totals.num_tokens)
-    token_mask = grpo.high_entropy_mask(on_other(torch.rand(4, 5)), mask, 0.5)
-    loss, stats = grpo.grpo_loss(
-        logp, old_logp, ref_logp, adv, mask, config, token_mask=token_mask, totals=totals
-    )
+    token_mask = objectives.high_entropy_mask(on_other(torch.rand(4, 5)), mask, 0.5)
+    options = dict(token_mask=token_mask, totals=totals, max_completion_length=5)
+    loss, stats = objectives.grpo_loss(logp, old_logp, ref_logp, adv, mask, config, **options)
     assert_on_other(loss)
     assert set(stats) == {"clip_frac_low", "clip_frac_high", "ratio_mean", "kl"}
     loss.backward()
@@ -233,7 +236,7 @@ def test_mask_log_probs_entropy_and_high_entropy_selection_follow_their_inputs(o
     logp, entropy = grpo.logprobs_from_logits(logits, ids, temperature=0.7, return_entropy=True)
     logp.sum().backward()
     assert_on_other(logp, entropy, logits.grad, grpo.kl_k3(logp, logp.detach() - 0.1))
-    assert_on_other(grpo.high_entropy_mask(entropy, mask, 0.2, pool=entropy[mask]))
+    assert_on_other(objectives.high_entropy_mask(entropy, mask, 0.2, pool=entropy[mask]))
 
 
 def test_rollout_metrics_and_recompute_inputs_follow_their_inputs(other_device):
@@ -382,7 +385,7 @@ def test_flash_attention_without_its_package_is_refused_in_one_line_and_so_is_a_
 def test_attn_implementation_reaches_the_model_and_sdpa_is_transformers_own_default():
     assert trainer.Args().attn_implementation == "sdpa"
     for requested, loaded in ((None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa")):
-        model, _, _ = model_io.load_model(
+        model, _, _ = model_files.load_model(
             model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32, attn_implementation=requested
         )
         assert model.config._attn_implementation == loaded

@@ -25,12 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import data
 import grpo
 import lora
 import model_io
 from full.helpers import lora_model_with_gradients, make_run, train_args
-from grpo_vlm import checkpoints, dataset, distributed, speedups, tasks, trainer
+from grpo_vlm import checkpoints, dataset, distributed, objectives, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 B, G, WORLD = 2, 4, 2  # per-rank prompts, group size, ranks
@@ -80,7 +79,7 @@ def one_update(fixed: dict, rank: int, world_size: int) -> dict:
     after."""
     model, _, _ = lora_model_with_gradients()
     results = {}
-    for loss_type in grpo.LOSS_TYPES:
+    for loss_type in objectives.LOSS_TYPES:
         args = update_args(loss_type)
         with torch.no_grad():
             for p, saved in zip(lora.lora_parameters(model), fixed["lora"]):
@@ -105,7 +104,7 @@ def fixed_rollout(tmp_path_factory) -> Path:
     log-probs."""
     model, tokenizer, image_processor = lora_model_with_gradients()
     args = update_args("dapo")
-    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    prompts = dataset.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
     reward_fns = trainer.resolve_rewards(args, "inspection")
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
@@ -142,7 +141,7 @@ def one_process_results(fixed_rollout) -> dict:
     return one_update(torch.load(fixed_rollout), rank=0, world_size=1)  # no process group: plain train.py
 
 
-@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", objectives.LOSS_TYPES)
 def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_prompts(
     fixed_rollout, one_process_results, two_rank_results, loss_type
 ):
@@ -169,9 +168,11 @@ def test_two_ranks_with_b_prompts_each_give_the_one_process_lora_update_on_2b_pr
 def test_ranks_take_consecutive_slices_of_one_global_batch_and_one_rank_is_the_plain_batch():
     samples = [{"id": i} for i in range(10)]
     for step in range(4):  # crosses an epoch boundary (10 // 4 = 2 global batches per epoch)
-        slices = [data.batch_for_step(samples, step, 2, 0, r, 2) for r in range(2)]
-        assert slices[0] + slices[1] == data.batch_for_step(samples, step, 4, 0)
-        assert data.batch_for_step(samples, step, 2, 0, 0, 1) == data.batch_for_step(samples, step, 2, 0)
+        slices = [dataset.batch_for_step(samples, step, 2, 0, r, 2) for r in range(2)]
+        assert slices[0] + slices[1] == dataset.batch_for_step(samples, step, 4, 0)
+        assert dataset.batch_for_step(samples, step, 2, 0, 0, 1) == dataset.batch_for_step(
+            samples, step, 2, 0
+        )
 
 
 FLAGS = (
@@ -338,7 +339,7 @@ def dynamic_choice(rank: int, world_size: int, batch_size: int) -> list[dict]:
     try:
         steps = []
         for step in (1, 2, 3):
-            prompts = data.batch_for_step(run.train_samples, step - 1, batch_size, 0, rank, world_size)
+            prompts = dataset.batch_for_step(run.train_samples, step - 1, batch_size, 0, rank, world_size)
             ro, counts = trainer.groups_with_signal(run, scripted_rollout(run, prompts, args), step, args)
             texts = [t for t, m in zip(ro.texts, ro.mask.any(dim=1)) if m]
             steps.append(

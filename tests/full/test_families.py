@@ -81,7 +81,7 @@ def test_shared_prefill_draws_the_same_tokens_as_generate_in_every_family(family
             torch.manual_seed(0)
             ours, _ = speedups.sample_shared_prefill(model, inputs(1), group_size=G, **options)
             torch.manual_seed(0)
-            reference, _ = grpo.sample_completions(model, inputs(G), **options)
+            reference = grpo.sample_completions(model, inputs(G), **options)
             assert torch.equal(ours, reference), (temperature, kind)
             lengths |= set(grpo.completion_mask(ours, eos_token_id=EOS_ID)[0].sum(1).tolist())
     assert len(lengths) > 1  # some rows stopped early: the padding after EOS was exercised

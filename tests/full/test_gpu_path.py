@@ -70,7 +70,7 @@ def test_under_a_kernel_that_attends_to_every_valid_slot_the_sampler_draws_gener
     model.config._attn_implementation = fa2_like
     options = dict(max_new_tokens=8, temperature=temperature, **SAMPLING)
     torch.manual_seed(0)
-    reference, _ = grpo.sample_completions(model, text_inputs(G), **options)
+    reference = grpo.sample_completions(model, text_inputs(G), **options)
     torch.manual_seed(0)
     ours, _ = speedups.sample_shared_prefill(model, text_inputs(1), group_size=G, **options)
     assert torch.equal(ours, reference)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import rewards
-from grpo_vlm import grounding, scoring
+from grpo_vlm import grounding, plugins, scoring
 from grpo_vlm.grounding import (
     FRAMES,
     box_f1,
@@ -441,14 +441,14 @@ def test_count_is_exact_on_boxes_else_points_and_graded_on_request():
 def test_grounding_rewards_load_by_name_and_score_through_rewards():
     builtins = scoring.BUILTIN_REWARDS  # as train.py and the scripts pass them
     for name, fn in grounding.REWARDS.items():
-        assert rewards.load_reward(name, builtins=builtins) is fn
+        assert plugins.reward_function(name, builtins) is fn
     with pytest.raises(ValueError, match="unknown reward"):  # rewards.py alone does not know them
         rewards.load_reward("box_f1")
     reward_list = scoring.rewards_from_flags(["box_f1", "count"], builtins=builtins)
     samples = [{"boxes": [[0, 0, 10, 10]], "count": 1}] * 2
     result = rewards.score(["[0, 0, 10, 10]", "no box"], samples, reward_list)
     assert result.total == [2.0, 0.0]
-    strict = rewards.load_reward("box_f1", builtins=builtins, iou_threshold=0.9)
+    strict = plugins.reward_function("box_f1", builtins, iou_threshold=0.9)
     assert strict("[0, 0, 8, 10]", samples[0]) == 0.0  # 0.8 < 0.9
 
 

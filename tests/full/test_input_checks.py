@@ -232,8 +232,7 @@ def test_an_image_above_the_pixel_budget_is_decoded_once_shrunk_with_exactly_the
     assert shrunk.size == (112, 84) and shrunk.info["original_size"] == (517, 333)  # 12,544-pixel budget
     assert torch.equal(processor(images=[shrunk], return_tensors="pt")["pixel_values"], full["pixel_values"])
     sample = {"images": [str(path)], "prompt": "a"}
-    loader = dataset.image_loader(processor)
-    batch = data.prepare_prompts([sample], *_tokenizer_and(processor), device="cpu", loader=loader)
+    batch = dataset.prepare_prompts([sample], *_tokenizer_and(processor), device="cpu")
     assert batch.inputs["image_grid_thw"][0, 1:].flip(-1).mul(processor.patch_size).tolist() == [112, 84]
     (grounded,) = dataset.with_grounding([sample], processor, "absolute")  # grounding's frames
     assert grounded["grounding"]["original_size"] == [517, 333] and grounded["grounding"]["resized_size"] == [
@@ -331,4 +330,4 @@ def test_a_truncated_adapter_safetensors_is_named(adapter, random_vlm):
     weights = adapter / model_io.ADAPTER_WEIGHTS
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ValueError, match=f"^{weights}: unreadable .*; is it damaged or cut short"):
-        model_io.load_adapter(type(random_vlm)(random_vlm.config), adapter)
+        adapters.load_adapter(type(random_vlm)(random_vlm.config), adapter)

@@ -19,7 +19,7 @@ import data
 import grpo
 import lora
 import model_io
-from grpo_vlm import checkpoints, files, tasks
+from grpo_vlm import adapters, checkpoints, files, tasks
 
 tiny = test_model_io.tiny  # the embedded asset, loaded once, offline (the reference tests' fixture)
 
@@ -30,7 +30,7 @@ def image_prompt(tok, ip, sample: dict | None = None) -> dict[str, torch.Tensor]
 
 
 def greedy(model, tok, inputs: dict[str, torch.Tensor], n: int = 6) -> torch.Tensor:
-    ids, _ = grpo.sample_completions(
+    ids = grpo.sample_completions(
         model,
         inputs,
         max_new_tokens=n,
@@ -98,7 +98,7 @@ def test_lora_merged_model_saved_with_save_pretrained_reloads_and_generates_the_
     logits = full_logits(model, inputs, tokens)
     assert not torch.allclose(logits, full_logits(base, inputs, tokens), atol=1e-3)  # the adapter matters
 
-    lora.unload_lora(model)
+    adapters.unload_lora(model)
     files.save_model(model, tok, ip, tmp_path / "merged")
     reloaded, tok2, ip2 = model_io.load_model(str(tmp_path / "merged"), device="cpu", dtype=torch.float32)
     assert type(reloaded) is Qwen2_5_VLForConditionalGeneration and ip2 is not None

@@ -35,7 +35,19 @@ import lora
 import model_io
 from full.helpers import lora_model_with_gradients, make_run, train_args
 from full.test_families import adapted
-from grpo_vlm import cli, distributed, files, memory, multiturn, speedups, tasks, tools, trainer
+from grpo_vlm import (
+    cli,
+    dataset,
+    distributed,
+    files,
+    memory,
+    multiturn,
+    sampling_config,
+    speedups,
+    tasks,
+    tools,
+    trainer,
+)
 from scripts import evaluate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,7 +101,7 @@ def three_turn_rollout(model, tokenizer, image_processor, monkeypatch, temperatu
     monkeypatch.setattr(tools, "run_call", stand_in_call)
     call_end = tokenizer.convert_tokens_to_ids(tools.TOOL_CALL_END)
     allowed = [tokenizer.eos_token_id, call_end, 71, 94]  # <|im_end|>, </tool_call>, "a", "x"
-    options = data.sampling_options(tokenizer, max_new_tokens=24, temperature=temperature)
+    options = sampling_config.sampler_options(tokenizer, max_new_tokens=24, temperature=temperature)
     options["suppress_token_ids"] = [t for t in range(len(tokenizer)) if t not in allowed]
     use = multiturn.ToolUse({}, 2, tokenizer, image_processor, None, max_length=4096)
     batch = data.prepare_prompts(SAMPLES, tokenizer, image_processor, device="cpu")
@@ -262,7 +274,7 @@ def scripted_sampler(tokenizer):
             written = tokenizer(turn, add_special_tokens=False)["input_ids"]
             rows.append((written + ([] if k < len(turns) else [tokenizer.eos_token_id]))[:max_new_tokens])
         T = max(map(len, rows))
-        return torch.tensor([row + [pad_token_id] * (T - len(row)) for row in rows]), None
+        return torch.tensor([row + [pad_token_id] * (T - len(row)) for row in rows])
 
     return sample_completions
 
@@ -273,7 +285,7 @@ def scripted_rollout(tokenizer, image_processor, monkeypatch, tmp_path, **limits
     loaded = tools.load_tools(["zoom", f"{tmp_path / 'boom.py'}:boom"])
     use = multiturn.ToolUse(loaded, 2, tokenizer, image_processor, "absolute", limits.get("max_length", 4096))
     samples = [{"id": c, "images": [image((9, 99, 9), (112, 84))], "prompt": c} for c in SCRIPT]
-    options = data.sampling_options(
+    options = sampling_config.sampler_options(
         tokenizer, max_new_tokens=limits.get("max_new_tokens", 200), temperature=1.0
     )
     batch = data.prepare_prompts(samples, tokenizer, image_processor, device="cpu")
@@ -481,7 +493,7 @@ def test_a_tool_rollout_keeps_the_rows_pixels_only_where_a_log_prob_pass_reads_t
     sampled = keep_sampled(monkeypatch)
     args = update_args(trunk_reuse=trunk_reuse, shared_prefill=trunk_reuse)
     run = tool_run(tools_checkpoint, args)
-    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, B, seed=0)
+    prompts = dataset.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, B, seed=0)
     torch.manual_seed(1)
     ro = trainer.tool_rollout(run, prompts, args)
     pixels = sampled[0].inputs["pixel_values"]  # (patches, D): the N rows' prompt and tool images
@@ -525,7 +537,7 @@ def test_two_gloo_ranks_give_the_one_process_update_on_a_multi_turn_rollout(
     sampled = keep_sampled(monkeypatch)  # the rows with their pixels, which the Rollout no longer holds
     args = update_args()
     run = tool_run(tools_checkpoint, args)
-    prompts = data.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
+    prompts = dataset.batch_for_step(tasks.make_task("inspection", 32, seed=0), 0, WORLD * B, seed=0)
     torch.manual_seed(1)
     ro = trainer.tool_rollout(run, prompts, args)
     trainer.frozen_logprobs(run, ro, args)

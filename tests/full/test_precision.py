@@ -11,7 +11,7 @@ B made non-zero first (with B = 0, A gets no gradient on the first step).
 
 Measured here (torch 2.13, CPU, one thread), the numbers the bounds below are set from:
 - share of LoRA entries with a gradient that moved: 1.0 with fp32 adapters (base in fp32 or bf16),
-  0.34 with bf16 adapters (`dtype=None`), 0.08 of the A entries alone.
+  0.34 with bf16 adapters (--no-lora-fp32), 0.08 of the A entries alone.
 - the bf16-base run against the fp32-base run, per entry update dW (after - before):
   ||dW_bf16 - dW_fp32|| / ||dW_fp32|| = 0.072, 99th percentile of |dW_bf16 - dW_fp32| / (5 lr) = 0.069.
   The bounds are twice these. The maximum is 2.0 (5 lr each way), so no bound is put on it: 0.25% of the
@@ -28,7 +28,7 @@ from torch import nn
 import grpo
 import lora
 import model_io
-from grpo_vlm import speedups
+from grpo_vlm import adapters, lora_config, speedups
 
 LR, STEPS = 2e-5, 5
 IMAGE_PAD_ID, VISION_START_ID, VISION_END_ID = 5, 3, 4  # assets/tiny-qwen2.5-vl/config.json
@@ -39,7 +39,9 @@ def tiny_with_lora(base_dtype: torch.dtype, lora_fp32: bool) -> nn.Module:
     """The shipped tiny VLM, LoRA r=8 on its last 4 blocks, A seeded, B ~ N(0, 0.01^2) from a seed."""
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=base_dtype)
     torch.manual_seed(0)
-    lora.inject_lora(model, r=8, alpha=16.0, last_k=4, fp32=lora_fp32)
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
+    if not lora_fp32:  # --no-lora-fp32
+        lora_config.lora_in_base_dtype(model)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -201,10 +203,10 @@ def test_the_lora_branch_runs_in_the_activation_dtype_without_an_fp32_copy_of_th
 
 
 def test_adapters_can_be_kept_in_the_base_dtype_to_save_memory():
-    layer = lora.LoRALinear(nn.Linear(8, 4, dtype=torch.bfloat16), r=2, alpha=2.0, dtype=None)
-    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.bfloat16
     model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    lora.inject_lora(model, r=2, alpha=4.0, last_k=1, fp32=False)
+    lora_config.inject(
+        model, lora_config.LoRAConfig(lora_r=2, lora_alpha=4.0, lora_last_k=1, lora_fp32=False)
+    )
     assert {p.dtype for p in lora.lora_parameters(model)} == {torch.bfloat16}
 
 
@@ -217,27 +219,26 @@ def test_fp32_adapters_of_a_bf16_model_save_as_fp32_and_reload_exactly(runs, tmp
     saved = load_file(tmp_path / model_io.ADAPTER_WEIGHTS)
     assert {t.dtype for t in saved.values()} == {torch.float32}  # as PEFT saves its fp32 adapters
     fresh, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    model_io.load_adapter(fresh, tmp_path)
+    adapters.load_adapter(fresh, tmp_path)
     ours, theirs = lora.lora_state_dict(model), lora.lora_state_dict(fresh)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     batch = image_batch()
     with torch.no_grad():
         assert torch.equal(fresh(**batch).logits, model(**batch).logits)
     small, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.bfloat16)
-    model_io.load_adapter(small, tmp_path, lora_fp32=False)  # the memory-saving option rounds on load
+    adapters.load_adapter(small, tmp_path, lora_fp32=False)  # the memory-saving option rounds on load
     assert {p.dtype for p in lora.lora_parameters(small)} == {torch.bfloat16}
 
 
 def test_merging_fp32_adapters_into_a_bf16_base_keeps_its_dtype_and_the_adapted_logits():
-    model = tiny_with_lora(torch.bfloat16, lora_fp32=True)  # its own: a bf16 merge round trip rounds the base
+    model = tiny_with_lora(torch.bfloat16, lora_fp32=True)  # its own: the fold rounds the base
     batch = image_batch()
+    linears = [m.base_layer for m in lora.lora_modules(model).values()]
     with torch.no_grad():
         adapted = model(**batch).logits.float()
-        lora.merge_lora(model)
+        adapters.unload_lora(model)
         merged = model(**batch).logits.float()
-    lora.unmerge_lora(model)
-    modules = [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
-    assert modules and all(m.base_layer.weight.dtype == torch.bfloat16 for m in modules)
+    assert linears and all(linear.weight.dtype == torch.bfloat16 for linear in linears)
     # The merged weight is rounded to bf16 once: measured one bf16 spacing of the largest logit (2**-5 at 7.3)
     # against 0.17 for the adapter's own effect on the logits.
     assert (merged - adapted).abs().max() <= 2 * 2**-8 * adapted.abs().max()

@@ -23,7 +23,7 @@ import grpo
 import lora
 import model_io
 from full.helpers import train_args
-from grpo_vlm import checkpoints, cli, trainer
+from grpo_vlm import checkpoints, cli, objectives, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(
@@ -176,7 +176,7 @@ evaluate.main(evaluate.tyro.cli(evaluate.Args))
 
 
 def nan_loss_on_calls(calls_to_poison: set[int]):
-    real_loss, seen = grpo.grpo_loss, []
+    real_loss, seen = objectives.grpo_loss, []
 
     def poisoned(*args, **kwargs):
         loss, stats = real_loss(*args, **kwargs)
@@ -187,7 +187,7 @@ def nan_loss_on_calls(calls_to_poison: set[int]):
 
 
 def test_a_nan_loss_skips_the_optimizer_step_logs_the_cause_and_training_continues(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "grpo_loss", nan_loss_on_calls({2}))  # the loss of step 2
+    monkeypatch.setattr(objectives, "grpo_loss", nan_loss_on_calls({2}))  # the loss of step 2
     out = tmp_path / "run"
     trainer.main(small_args(out, steps=3, save_every=1, keep_last=3))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -199,7 +199,7 @@ def test_a_nan_loss_skips_the_optimizer_step_logs_the_cause_and_training_continu
 
 
 def test_too_many_non_finite_steps_in_a_row_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(grpo, "grpo_loss", nan_loss_on_calls(set(range(1, 100))))
+    monkeypatch.setattr(objectives, "grpo_loss", nan_loss_on_calls(set(range(1, 100))))
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match=r"stopped after step 2 \(2 bad steps in a row\)"):
         trainer.main(small_args(out, steps=10, save_every=100, max_bad_steps=1))
@@ -216,10 +216,9 @@ def test_empty_and_truncated_completions_are_counted_and_mask_truncated_drops_th
     real_sample = grpo.sample_completions
 
     def eos_first_or_never(model, inputs, **kwargs):
-        ids, logp = real_sample(model, inputs, **kwargs)
-        ids = torch.full_like(ids, 7)  # 7 is a plain text token: these rows never stop (truncated)
+        ids = torch.full_like(real_sample(model, inputs, **kwargs), 7)  # 7 is plain text: rows never stop
         ids[::2, 0] = kwargs["eos_token_id"][0]  # every other row is an end of turn alone (empty)
-        return ids, logp
+        return ids
 
     monkeypatch.setattr(grpo, "sample_completions", eos_first_or_never)
     real_score, lengths_seen = trainer.rewards.score, []
@@ -287,10 +286,13 @@ def bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         ),
         "missing prompt": ([ok, '{"images": [], "label": "通过"}'], r"bad\.jsonl:2: .*'prompt'"),
         "empty dataset": ([], r"bad\.jsonl: dataset is empty"),
-        "unknown field type": ([ok, '{"images": "ok.png", "prompt": "a"}'], r"bad\.jsonl:2: field 'images'"),
+        "unknown field type": (
+            [ok, '{"images": "ok.png", "prompt": "a"}'],
+            r"bad\.jsonl:2: images: must be a list",
+        ),
         "missing image": (
             ['{"images": ["nope.png"], "prompt": "a"}'],
-            r"bad\.jsonl:1: image 'nope\.png' not found",
+            r"bad\.jsonl:1: images: 'nope\.png' not found",
         ),
         "zero-size image": (
             ['{"images": ["empty.png"], "prompt": "a", "label": "通过"}'],

@@ -77,7 +77,7 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
     sampled = [trainer.rollout(run, prompts, args) for prompts in rounds]
     assert (
         sampled[0].recording is not None
-        and sampled[0].prompts.prompt_length > sampled[1].prompts.prompt_length
+        and sampled[0].prompts.inputs["input_ids"].shape[1] > sampled[1].prompts.inputs["input_ids"].shape[1]
     )
     G = args.group_size
 
@@ -85,7 +85,7 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
         k: int, g: int, recorded: bool = True
     ) -> tuple:  # round k's group g, as groups_with_signal keeps it
         ro, rows = sampled[k], slice(g * G, (g + 1) * G)
-        recording = (ro.recording[rows], ro.prompts.prompt_length) if recorded else None
+        recording = (ro.recording[rows], ro.prompts.inputs["input_ids"].shape[1]) if recorded else None
         return rounds[k][g], trainer.group_lists(ro, rows), recording
 
     captured = []
@@ -107,7 +107,7 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
         samples, groups, recorded = map(list, zip(*[kept(*c) for c in choice]))
         ro = trainer.rollout_of_groups(run, samples, groups, recorded, args)
         assert len(captured) == captures, name
-        shapes.append((ro.prompts.prompt_length, ro.completion_ids.shape[1]))
+        shapes.append((ro.prompts.inputs["input_ids"].shape[1], ro.completion_ids.shape[1]))
         ours = logprobs_of_chunks(run, ro.chunks)
         with torch.no_grad():
             full, _ = grpo.completion_logprobs(model, ro.inputs, ro.completion_ids, temperature=1.0)
@@ -116,7 +116,9 @@ def test_kept_groups_recordings_repadded_into_a_new_batch_give_the_recomputed_tr
         # Equal to rounding: the trunk recorded while sampling adds up attention in another order.
         torch.testing.assert_close(ours[ro.mask], again[ro.mask], atol=1e-5, rtol=0, msg=name)
         torch.testing.assert_close(ours[ro.mask], full[ro.mask], atol=1e-5, rtol=0, msg=name)
-    (P0, T0), (P1, T1) = ((ro.prompts.prompt_length, ro.completion_ids.shape[1]) for ro in sampled)
+    (P0, T0), (P1, T1) = (
+        (ro.prompts.inputs["input_ids"].shape[1], ro.completion_ids.shape[1]) for ro in sampled
+    )
     assert shapes[0][0] == P0 > P1 and shapes[1][0] < P0  # a recording left-padded, then one cropped
     assert T0 != T1  # and one right-padded
 

@@ -8,12 +8,18 @@ import sys
 import pytest
 
 import rewards
-from grpo_vlm import cli, grounding, scoring, tools
+from grpo_vlm import answer_rewards, cli, grounding, plugins, scoring, tools
 from rewards import Reward, format_reward, label_reward
 
 
-def test_builtins_are_the_references_then_tool_format_then_groundings():
-    expected = [*rewards.BUILTIN_REWARDS, "tool_format", *grounding.REWARDS, "overlong"]
+def test_builtins_are_the_references_then_the_answers_tool_format_and_groundings():
+    expected = [
+        *rewards.BUILTIN_REWARDS,
+        *answer_rewards.REWARDS,
+        "tool_format",
+        *grounding.REWARDS,
+        "overlong",
+    ]
     assert list(scoring.BUILTIN_REWARDS) == expected
     assert scoring.BUILTIN_REWARDS["tool_format"] is tools.tool_format
 
@@ -98,7 +104,7 @@ def test_overlong_penalty_zero_then_ramp_then_minus_one(length, expected):
 
 
 def test_overlong_penalty_receives_token_counts_through_score():
-    fn = rewards.load_reward("overlong", builtins=scoring.BUILTIN_REWARDS, max_length=20, cache_length=5)
+    fn = plugins.reward_function("overlong", scoring.BUILTIN_REWARDS, max_length=20, cache_length=5)
     scores = rewards.score(
         ["a", "b", "c"], [{}] * 3, [Reward("overlong", fn)], completion_lengths=[3, 17, 40]
     )
@@ -107,7 +113,7 @@ def test_overlong_penalty_receives_token_counts_through_score():
 
 def test_overlong_without_bound_lengths_fails_at_load_time():
     with pytest.raises(ValueError, match="bound when loading"):
-        rewards.load_reward("overlong", builtins=scoring.BUILTIN_REWARDS)
+        plugins.reward_function("overlong", scoring.BUILTIN_REWARDS)
 
 
 def test_a_bound_overlong_penalty_needs_completion_lengths():

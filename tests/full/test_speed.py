@@ -23,7 +23,7 @@ from transformers import StaticCache
 import data
 import grpo
 import lora
-from full.helpers import make_run, train_args
+from full.helpers import make_run, sample_with_logprobs, train_args
 from grpo_vlm import speedups, trainer
 
 K = 2  # adapted blocks
@@ -188,14 +188,11 @@ def test_sampling_each_prompt_g_times_equals_sampling_repeated_rows_with_each_im
         eos_token_id=1,
         pad_token_id=0,
         suppress_token_ids=SUPPRESS,
-        return_logprobs=True,
     )
     torch.manual_seed(0)
-    repeated, repeated_logp = grpo.sample_completions(model, vlm_inputs(group_size=G), **kwargs)
+    repeated, repeated_logp = sample_with_logprobs(model, vlm_inputs(group_size=G), **kwargs)
     torch.manual_seed(0)
-    once, once_logp = grpo.sample_completions(
-        model, vlm_inputs(group_size=1), num_return_sequences=G, **kwargs
-    )
+    once, once_logp = sample_with_logprobs(model, vlm_inputs(group_size=1), num_return_sequences=G, **kwargs)
     assert torch.equal(once, repeated)
     torch.testing.assert_close(once_logp, repeated_logp, atol=1e-5, rtol=0)
     assert encodings == [3 * G, 3]  # 3 images (2 + 1) in the 2 prompts
@@ -234,7 +231,7 @@ def test_shared_prefill_draws_the_same_tokens_as_generate(kind, temperature, top
         ours, _ = speedups.sample_shared_prefill(model, inputs_for(kind, 1), group_size=G, **options)
         torch.manual_seed(seed)  # generate on the G-fold repeated rows (greedy refuses num_return_sequences)
         expanded = inputs_for(kind, G)
-        reference, _ = grpo.sample_completions(model, expanded, **options)
+        reference = grpo.sample_completions(model, expanded, **options)
         assert torch.equal(ours, reference), seed
     # Sampled rows stop at different steps: the padding after EOS was exercised.
     if temperature > 0 and top_p > 0.5:
@@ -266,7 +263,7 @@ def test_shared_prefill_matches_generate_at_the_edges(case, overrides):
         ours, _ = speedups.sample_shared_prefill(model, inputs, group_size=G, **options)
         torch.manual_seed(0)
         expanded = inputs_for(kind, G)
-        reference, _ = grpo.sample_completions(model, expanded, **options)
+        reference = grpo.sample_completions(model, expanded, **options)
         assert torch.equal(ours, reference), (case, kind)
 
 
@@ -333,7 +330,7 @@ def test_rows_that_all_end_early_stop_where_generate_stops_with_its_tokens_and_r
     )
     after_ours, fed_ours = torch.rand(4), list(fed)
     torch.manual_seed(0)
-    reference, _ = grpo.sample_completions(model, inputs_for("vlm", G), **options)
+    reference = grpo.sample_completions(model, inputs_for("vlm", G), **options)
     assert torch.equal(ids, reference) and ids.shape == (2 * G, 1)
     assert torch.equal(after_ours, torch.rand(4))  # the draws past the end were undone
     B, P = inputs_for("vlm", 1)["input_ids"].shape
@@ -463,14 +460,19 @@ def test_sampling_casts_each_lora_weight_once_and_draws_the_same_tokens_as_casti
         for p in lora.lora_parameters(model):
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
     adapter = next(iter(lora.lora_modules(model).values()))
-    seen = []
-    adapter.register_forward_pre_hook(lambda m, args: seen.append(m.cast))
+    trained = (adapter.lora_A.weight, adapter.lora_B.weight)
+    seen = []  # the A each forward reads, as a storage address and a dtype
+    adapter.register_forward_pre_hook(
+        lambda m, args: seen.append((m.lora_A.weight.data_ptr(), m.lora_A.weight.dtype))
+    )
     options = dict(group_size=3, max_new_tokens=8, temperature=1.0, **SAMPLING)
     _, blocks = lora.find_decoder_blocks(model)
     torch.manual_seed(0)
     once = speedups.sample_shared_prefill(model, text_inputs(1), record_block=blocks[-K], **options)
-    assert len(seen) > 2 and all(cast is seen[0] for cast in seen)  # one cast for every forward
-    assert seen[0][0].dtype == torch.bfloat16 and adapter.cast is None  # dropped on exit
+    assert len(seen) > 2 and all(cast == seen[0] for cast in seen)  # one cast for every forward
+    assert seen[0][1] == torch.bfloat16  # the forward's own `.to` finds it cast already
+    assert (adapter.lora_A.weight, adapter.lora_B.weight) == trained  # the trained fp32 weights are back
+    assert trained[0].dtype == torch.float32 and lora.lora_parameters(model)[0] is trained[0]
     with speedups.weights_cast_once(model):
         assert not torch.is_grad_enabled()  # the casts are constants: nothing inside may train A or B
     monkeypatch.setattr(speedups, "weights_cast_once", lambda model, kept=None: nullcontext())

@@ -115,7 +115,7 @@ def test_each_summary_is_the_models_answer_about_its_own_photo_alone(tmp_path):
     for i in range(1, 5):
         sample = {"images": [str(photos / "g" / f"p{i}.png")], "prompt": tasks.SHAPES_PROMPT}
         batch = data.prepare_prompts([sample], tokenizer, image_processor, device="cpu")
-        ids, _ = grpo.sample_completions(
+        ids = grpo.sample_completions(
             model,
             batch.inputs,
             max_new_tokens=16,

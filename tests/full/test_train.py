@@ -26,8 +26,8 @@ import data
 import grpo
 import lora
 import model_io
-from full.helpers import make_run, train_args
-from grpo_vlm import checkpoints, cli, speedups, tasks, trainer
+from full.helpers import make_run, sample_with_logprobs, train_args
+from grpo_vlm import checkpoints, cli, dataset, objectives, speedups, tasks, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -69,7 +69,7 @@ def make_rollout(
 ) -> tuple[trainer.Run, trainer.Rollout]:
     """A Run around the model and the rollout of `step`, with its old and reference log-probs."""
     samples = tasks.make_task(args.samples.task, args.samples.train_size, seed=args.seed)
-    prompts = data.batch_for_step(samples, step, args.batch_size, args.seed)
+    prompts = dataset.batch_for_step(samples, step, args.batch_size, args.seed)
     reward_fns = trainer.resolve_rewards(args, args.samples.task)
     run = make_run(model, args, tokenizer=tokenizer, image_processor=image_processor, reward_fns=reward_fns)
     torch.manual_seed(1000 + step)  # the sampling draws
@@ -168,16 +168,16 @@ def test_at_step_zero_every_A_gets_exactly_zero_gradient_and_every_B_a_nonzero_o
     logp, _ = grpo.completion_logprobs(
         model, ro.inputs, ro.completion_ids, temperature=args.sampling.temperature
     )
-    config = grpo.LossConfig(
+    config = objectives.LossConfig(
         loss_type=args.loss.loss_type,
         beta=args.loss.beta,
         clip_eps_low=args.loss.clip_eps_low,
         clip_eps_high=args.loss.clip_eps_high,
     )
-    totals = grpo.BatchTotals(
-        ro.mask.shape[0], ro.mask.sum(), max_completion_length=args.sampling.max_new_tokens
+    length = args.sampling.max_new_tokens
+    loss, _ = objectives.grpo_loss(
+        logp, logp.detach(), ro.ref_logp, ro.adv, ro.mask, config, max_completion_length=length
     )
-    loss, _ = grpo.grpo_loss(logp, logp.detach(), ro.ref_logp, ro.adv, ro.mask, config, totals=totals)
     loss.backward()
     modules = lora_modules(model)
     assert len(modules) == 4 * 7  # 7 target linears in each of the last 4 blocks
@@ -195,14 +195,13 @@ def test_loss_reaches_lora_parameters_only_through_the_recompute(tmp_path):
     args = small_args(tmp_path, batch_size=4, num_iterations=2)  # mu = 2: old_logp is stored too
     model, tokenizer, image_processor = load_tiny_with_lora()
     _, ro = make_rollout(model, tokenizer, image_processor, args)
-    _, gen_logp = grpo.sample_completions(
+    _, gen_logp = sample_with_logprobs(
         model,
         ro.inputs,
         max_new_tokens=4,
         temperature=1.0,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        return_logprobs=True,
     )
     generated = {
         "completion_ids": ro.completion_ids,
@@ -221,13 +220,13 @@ def test_loss_reaches_lora_parameters_only_through_the_recompute(tmp_path):
     assert logp.requires_grad
 
     def loss_of(logp_in):
-        config = grpo.LossConfig(
+        config = objectives.LossConfig(
             loss_type=args.loss.loss_type,
             beta=args.loss.beta,
             clip_eps_low=args.loss.clip_eps_low,
             clip_eps_high=args.loss.clip_eps_high,
         )
-        return grpo.grpo_loss(logp_in, ro.old_logp, ro.ref_logp, ro.adv, ro.mask, config)[0]
+        return objectives.grpo_loss(logp_in, ro.old_logp, ro.ref_logp, ro.adv, ro.mask, config)[0]
 
     # With the recompute detached, nothing in the loss is connected to the LoRA parameters.
     detached = loss_of(logp.detach())
@@ -389,12 +388,11 @@ def test_recomputed_logprobs_equal_generation_logprobs_on_left_padded_multi_imag
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         suppress_token_ids=data.suppressed_tokens(tokenizer),
-        return_logprobs=True,
     )
     torch.manual_seed(0)
-    ids, gen_logp = grpo.sample_completions(model, inputs, **sampling)  # the N expanded rows
+    ids, gen_logp = sample_with_logprobs(model, inputs, **sampling)  # the N expanded rows
     torch.manual_seed(0)
-    ids_b, gen_logp_b = grpo.sample_completions(model, batch.inputs, num_return_sequences=G, **sampling)
+    ids_b, gen_logp_b = sample_with_logprobs(model, batch.inputs, num_return_sequences=G, **sampling)
     # The rollout's way: the B prompts with num_return_sequences, then train's chunked trunk recompute.
     args = small_args(tmp_path, group_size=G, temperature=temperature, trunk_reuse=True, micro_batch_size=4)
     run = make_run(model, args)
@@ -520,14 +518,14 @@ def test_shapes_task_trains_one_step(tmp_path):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_each_loss_type_runs_and_mu_2_starts_from_a_ratio_of_one(tmp_path, monkeypatch, loss_type):
     calls = []
-    real_loss = grpo.grpo_loss
+    real_loss = objectives.grpo_loss
 
     def spy(logp, old_logp, *rest, **kwargs):
         loss, stats = real_loss(logp, old_logp, *rest, **kwargs)
         calls.append({"stats": stats, "logp": logp.detach().clone(), "old_logp": old_logp})
         return loss, stats
 
-    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    monkeypatch.setattr(objectives, "grpo_loss", spy)
     out = tmp_path / "run"
     trainer.main(small_args(out, steps=1, loss_type=loss_type, num_iterations=2, eval_size=4))
     record = read_metrics(out)[1]

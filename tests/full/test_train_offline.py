@@ -16,7 +16,7 @@ import grpo
 import lora
 import model_io
 import rewards
-from grpo_vlm import checkpoints, cli, lora_config
+from grpo_vlm import checkpoints, cli, lora_config, objectives
 from scripts import mock_rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -161,7 +161,7 @@ def test_batches_group_equal_g_and_advantages_are_group_zscores_of_the_scores(to
             ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             assert row[: len(ids)].tolist() == ids and int(mask.sum()) == len(ids)  # EOS is in the mask
             assert (row[len(ids) :] == tokenizer.pad_token_id).all()
-    clip = offline.Args(batch_size=8, max_completion_length=64, adv=grpo.AdvantageConfig(adv_clip=0.5))
+    clip = offline.Args(batch_size=8, max_completion_length=64, adv=objectives.AdvantageConfig(adv_clip=0.5))
     clipped = offline.make_batches(samples, tokenizer, clip)
     assert torch.equal(clipped[1].adv, grpo.group_advantages(clipped[1].scores, 3).clamp(-0.5, 0.5))
 
@@ -200,7 +200,7 @@ def test_old_logprobs_are_frozen_across_epochs_and_ratio_is_one_at_the_first_ste
         max_completion_length=64,
         rce_epochs=0,  # every epoch is a GRPO epoch
         lr=1e-2,
-        loss=grpo.LossConfig(beta=0.04),
+        loss=objectives.LossConfig(beta=0.04),
         lora=lora_config.LoRAConfig(lora_last_k=2, lora_r=4, lora_alpha=8.0),
     )
     model, logprobs_of, batches, _ = offline.load_inputs(args)

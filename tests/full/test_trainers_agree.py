@@ -19,6 +19,7 @@ import model_io
 import rewards
 import train
 from full.helpers import lora_model_with_gradients, make_run, train_args
+from grpo_vlm import dataset
 from grpo_vlm import trainer as full
 
 B, G, T, SEED, LR = 4, 4, 16, 3, 2e-3
@@ -73,7 +74,7 @@ def one_step_each(flags: dict) -> dict[str, float]:
                 p.copy_(start[n])
     optimizer, _ = optimizer_and_schedule()
     reference_args = train.Args(**shape, **flags)
-    prompts = data.batch_for_step(samples, 0, B, SEED)
+    prompts = dataset.batch_for_step(samples, 0, B, SEED)
     torch.manual_seed(SEED)
     metrics, completion_ids = train.train_step(
         model, tokenizer, image_processor, prompts, reward_fns, optimizer, reference_args

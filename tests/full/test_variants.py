@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-import grpo
 from full.helpers import train_args
+from grpo_vlm import objectives
 
 COMMON = dict(clip_eps_low=0.2, clip_eps_high=0.28, beta=0.0)
 
 
-def config(**settings) -> grpo.LossConfig:
-    return grpo.LossConfig(**{**COMMON, **settings})
+def config(**settings) -> objectives.LossConfig:
+    return objectives.LossConfig(**{**COMMON, **settings})
 
 
 def leaf(values) -> torch.Tensor:
@@ -35,7 +35,7 @@ def test_cispo_weights_logp_by_the_truncated_detached_ratio_so_clipped_tokens_ke
     logp = leaf([[-1.0, -2.0, -3.0]])
     old_logp = torch.tensor([[-1.5, -2.0, -2.5]], dtype=torch.float64)
     adv, mask = torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 3, dtype=torch.bool)
-    loss, _ = grpo.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="cispo"))
+    loss, _ = objectives.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="cispo"))
     w = [1.28, 1.0, math.exp(-0.5)]  # min(r, 1 + eps_high), no lower bound
     expected = -sum(wi * 2.0 * lp for wi, lp in zip(w, [-1.0, -2.0, -3.0])) / 3  # "dapo" token mean
     assert loss.item() == pytest.approx(expected, rel=1e-12)
@@ -43,7 +43,7 @@ def test_cispo_weights_logp_by_the_truncated_detached_ratio_so_clipped_tokens_ke
     torch.testing.assert_close(
         grad_of(loss, logp), torch.tensor([[-w[0] * 2 / 3, -2 / 3, -w[2] * 2 / 3]]).double()
     )
-    ppo, _ = grpo.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo"))
+    ppo, _ = objectives.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo"))
     assert grad_of(ppo, logp)[0, 0] == 0
 
 
@@ -55,7 +55,7 @@ def test_sapo_gate_value_and_its_gradient_equal_the_hand_formula_with_each_sides
     old_logp = torch.tensor([[-1.3, -1.2], [-0.2, -1.0]], dtype=torch.float64)
     adv = torch.tensor([1.5, -1.0], dtype=torch.float64)  # row 0 uses tau_pos = 1.0, row 1 tau_neg = 1.05
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, _ = grpo.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="sapo"))
+    loss, _ = objectives.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="sapo"))
 
     def gate(r, tau):
         return 1 / (1 + math.exp(-tau * (r - 1))) * 4 / tau
@@ -70,7 +70,7 @@ def test_sapo_gate_value_and_its_gradient_equal_the_hand_formula_with_each_sides
     assert grad_of(loss, logp)[0, 1].item() == pytest.approx(-1.5 / 2 / 2, rel=1e-12)
 
     def f(lp):
-        return grpo.grpo_loss(lp, old_logp, None, adv, mask, config(loss_type="sapo"))[0]
+        return objectives.grpo_loss(lp, old_logp, None, adv, mask, config(loss_type="sapo"))[0]
 
     assert torch.autograd.gradcheck(f, (logp,))
 
@@ -84,7 +84,7 @@ def test_sequence_level_ratio_is_the_exp_of_the_mean_token_log_ratio_clipped_as_
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # row 1's last token is padding
     gspo = config(loss_type="grpo", importance_sampling_level="sequence")
-    loss, stats = grpo.grpo_loss(logp, old_logp, None, adv, mask, gspo)
+    loss, stats = objectives.grpo_loss(logp, old_logp, None, adv, mask, gspo)
     s0 = math.exp((0.6 + 0.0 + 0.3) / 3)  # 1.35: past 1.28, and A > 0, so the clip binds at 1.28
     s1 = math.exp((0.1 - 0.1) / 2)  # 1.0 exactly; the padded token's huge log-ratio is not averaged in
     expected = (-min(s0 * 1.0, 1.28 * 1.0) + -min(s1 * -1.0, s1 * -1.0)) / 2
@@ -102,8 +102,8 @@ def test_delta_caps_the_ratio_of_a_negative_advantage_which_plain_clipping_leave
     logp = leaf([[0.0]])
     old_logp = torch.tensor([[-2.0]], dtype=torch.float64)  # ratio e^2 = 7.39
     adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
-    plain, _ = grpo.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo"))
-    capped, _ = grpo.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo", delta=4.0))
+    plain, _ = objectives.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo"))
+    capped, _ = objectives.grpo_loss(logp, old_logp, None, adv, mask, config(loss_type="dapo", delta=4.0))
     assert plain.item() == pytest.approx(math.exp(2), rel=1e-12)  # -min(7.39 * -1, 1.28 * -1) = 7.39
     assert capped.item() == pytest.approx(4.0, rel=1e-12)  # -min(4 * -1, 1.28 * -1) = 4
     assert grad_of(capped, logp).item() == 0  # past delta: no gradient pushes the ratio further
@@ -115,14 +115,14 @@ def test_delta_caps_the_ratio_of_a_negative_advantage_which_plain_clipping_leave
 def test_high_entropy_mask_keeps_the_top_quantile_of_unmasked_tokens_and_the_kl_still_counts_all():
     entropy = torch.tensor([[0.1, 2.0, 0.5, 9.0], [1.0, 3.0, 0.2, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)  # 9.0 is padding: not in the pool
-    keep = grpo.high_entropy_mask(entropy, mask, 0.5)
+    keep = objectives.high_entropy_mask(entropy, mask, 0.5)
     # Unmasked entropies 0.1 2.0 0.5 1.0 3.0 0.2 0.0: the median of 7 is 0.5, so 0.5 and above stay.
     assert keep.tolist() == [[False, True, True, False], [True, True, False, False]]
 
     logp = leaf([[-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     ref = logp.detach() - 0.5
-    loss, _ = grpo.grpo_loss(
+    loss, _ = objectives.grpo_loss(
         logp, logp.detach(), ref, adv, mask, config(loss_type="dapo", beta=0.1), token_mask=keep
     )
     k3 = math.exp(-0.5) + 0.5 - 1
@@ -141,9 +141,9 @@ def test_bias_corrected_kl_weights_k3_by_the_ratio_and_equals_plain_k3_at_ratio_
     ref = torch.tensor([[-1.5, -1.0]], dtype=torch.float64)
     adv, mask = torch.tensor([0.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
     options = dict(clip_eps_low=0.2, clip_eps_high=0.28, beta=1.0, loss_type="bnpo")
-    plain, _ = grpo.grpo_loss(logp, old_logp, ref, adv, mask, grpo.LossConfig(**options))
-    corrected_kl = grpo.LossConfig(**options, use_bias_correction_kl=True)
-    corrected, stats = grpo.grpo_loss(logp, old_logp, ref, adv, mask, corrected_kl)
+    plain, _ = objectives.grpo_loss(logp, old_logp, ref, adv, mask, objectives.LossConfig(**options))
+    corrected_kl = objectives.LossConfig(**options, use_bias_correction_kl=True)
+    corrected, stats = objectives.grpo_loss(logp, old_logp, ref, adv, mask, corrected_kl)
     k3 = [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1]
     assert plain.item() == pytest.approx(sum(k3) / 2, rel=1e-12)
     assert corrected.item() == pytest.approx((k3[0] * math.exp(0.2) + k3[1] * 1.0) / 2, rel=1e-12)
@@ -155,7 +155,8 @@ def test_bias_corrected_kl_weights_k3_by_the_ratio_and_equals_plain_k3_at_ratio_
 
 def test_rloo_advantage_is_the_reward_minus_the_mean_of_the_others():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
-    adv = grpo.group_advantages(rewards, 4, scale="none", baseline="rloo")
+    rloo = objectives.AdvantageConfig(adv_baseline="rloo", adv_scale="none")
+    adv = objectives.advantages(rewards, None, None, 4, rloo)
     # 1 - (0 + 0 + 1) / 3 = 2/3; 0 - (1 + 0 + 1) / 3 = -2/3; the constant group gives exactly 0.
     torch.testing.assert_close(adv, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0, 0, 0]))
     assert torch.equal(adv[4:], torch.zeros(4))
@@ -163,7 +164,7 @@ def test_rloo_advantage_is_the_reward_minus_the_mean_of_the_others():
 
 def test_reinforce_plus_plus_advantage_normalises_over_the_batch_not_the_group():
     rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])
-    adv = grpo.group_advantages(rewards, 2, scale="batch", baseline="batch", eps=0.0)
+    adv = objectives.batch_baseline(rewards, 2, "batch", eps=0.0)
     mean, std = 1.25, math.sqrt(((0.25**2) + 1.25**2 + 2 * 0.75**2) / 3)
     torch.testing.assert_close(adv, (rewards - mean) / std)
     assert adv[2] != 0  # a constant group still moves: its reward is above the batch's mean
@@ -171,7 +172,7 @@ def test_reinforce_plus_plus_advantage_normalises_over_the_batch_not_the_group()
 
 def test_normalize_then_sum_z_scores_each_reward_within_its_group_before_weighting():
     components = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 0.0]])  # (N=4, K=2), G = 2
-    summed = grpo.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2, eps=0.0)
+    summed = objectives.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2, eps=0.0)
     z = 0.5 / math.sqrt(0.5)  # (1 - 0.5) / std([1, 0]), the unbiased std being sqrt(0.5)
     # Group 0: reward 1 is (+z, -z), reward 2 (-z, +z); group 1: reward 1 is constant (0), reward 2 (+z, -z).
     torch.testing.assert_close(summed, torch.tensor([z - 0.5 * z, -z + 0.5 * z, 0.5 * z, -0.5 * z]))
@@ -181,26 +182,30 @@ def test_normalize_then_sum_advantages_by_hand_scale_over_the_batch_and_clip():
     # G = 2, weights (1, 0.5). Group 0: reward 1 is (1, 0), reward 2 constant; group 1: the reverse.
     components = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 0.0]])  # (N=4, K=2)
     rewards = components @ torch.tensor([1.0, 0.5])  # (1, 0, 1.5, 1): the weighted totals
-    gdpo = grpo.AdvantageConfig(multi_objective_aggregation="normalize_then_sum")
-    adv = grpo.advantages(rewards, components, torch.tensor([1.0, 0.5]), 2, gdpo)
+    gdpo = objectives.AdvantageConfig(multi_objective_aggregation="normalize_then_sum")
+    adv = objectives.advantages(rewards, components, torch.tensor([1.0, 0.5]), 2, gdpo)
     # z = 0.5 / (sqrt(0.5) + 1e-4) = 0.7070068 (std of (1, 0) is sqrt(0.5)); the sums are (z, -z, z/2, -z/2),
     # mean 0, unbiased std sqrt((2 z^2 + 2 z^2 / 4) / 3) = 0.6454060; divided by (0.6454060 + 1e-4):
     torch.testing.assert_close(adv, torch.tensor([1.0952754, -1.0952754, 0.5476377, -0.5476377]))
     # Summed first, each group is z-scored alone: 0.5 / (sqrt(0.5) + 1e-4) and 0.25 / (sqrt(0.125) + 1e-4),
     # the same but for eps: reward 2's smaller weight no longer shows.
-    summed_first = grpo.advantages(rewards, components, torch.tensor([1.0, 0.5]), 2, grpo.AdvantageConfig())
+    summed_first = objectives.advantages(
+        rewards, components, torch.tensor([1.0, 0.5]), 2, objectives.AdvantageConfig()
+    )
     torch.testing.assert_close(summed_first, torch.tensor([0.7070068, -0.7070068, 0.7069068, -0.7069068]))
-    clipped = grpo.AdvantageConfig(
+    clipped = objectives.AdvantageConfig(
         multi_objective_aggregation="normalize_then_sum", adv_clip=1.0, adv_scale="none"
     )
-    adv = grpo.advantages(rewards, components, torch.tensor([1.0, 0.5]), 2, clipped)  # adv_scale: not read
+    adv = objectives.advantages(
+        rewards, components, torch.tensor([1.0, 0.5]), 2, clipped
+    )  # adv_scale: not read
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, 0.5476377, -0.5476377]))
 
 
 def test_normalized_reward_sum_moves_cpu_weights_to_the_components_device():
     # "meta" stands in for a GPU: its tensors refuse to meet CPU tensors, as CUDA ones do.
     components = torch.zeros(4, 2, device="meta")
-    summed = grpo.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2)
+    summed = objectives.normalized_reward_sum(components, torch.tensor([1.0, 0.5]), 2)
     assert summed.device == components.device and summed.shape == (4,)
 
 
