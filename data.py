@@ -115,8 +115,9 @@ def load_image(image: str | Path | Image.Image, sample: dict) -> Image.Image:
     """RGB as transformers' image processors make it (alpha composited onto white); a file decoded in full."""
     if isinstance(image, Image.Image):
         return Image.fromarray(convert_to_rgb(image, return_numpy=True))
+    path = Path(image)
     try:  # converting forces a full decode, so truncated files fail here; missing or empty ones too
-        with Image.open(path := Path(image)) as im:
+        with Image.open(path) as im:
             return load_image(im, sample)
     except (OSError, Image.DecompressionBombError) as e:
         size = path.stat().st_size if path.is_file() else None
@@ -135,7 +136,7 @@ def inspection_sample(rng: random.Random, index: int) -> dict:
     defect probability makes pass and fail equally likely for every photo count."""
     n_images = rng.randint(1, 4)
     p_defect = 1 - 0.5 ** (1 / n_images)
-    images, defective = [], []
+    images, defective = [], []  # the photos, and the numbers (from 1) of those with a defect mark
     for k in range(n_images):
         image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), (200, 200, 205))
         draw = ImageDraw.Draw(image)
@@ -160,9 +161,8 @@ def inspection_samples(n: int, *, split: Literal["train", "test"] = "train", see
 
 
 def load_samples(path: str | None, eval_path: str | None, *, train_size: int, eval_size: int) -> tuple:
-    """(training, held-out) samples: the JSONL files (the first `eval_size` of `eval_path`), or with no `path`
-    the built-in task's two splits, the same whatever the run's seed: runs of several seeds are compared on
-    the same held-out questions."""
+    """(training, held-out) samples: the JSONL files (the first `eval_size` of `eval_path`), or the built-in
+    task's two splits, the same for every --seed: runs of several seeds answer the same held-out questions."""
     if path is None:
         return inspection_samples(train_size, split="train"), inspection_samples(eval_size, split="test")
     return read_jsonl(path), read_jsonl(eval_path)[:eval_size] if eval_path else []
@@ -193,7 +193,8 @@ def prepare_prompts(
     (one row per sample)."""
     per_row = [[load_image(im, s) for im in s.get("images", [])] for s in samples]
     texts = [chat_text(sample, tokenizer, len(ims)) for sample, ims in zip(samples, per_row)]
-    images, images_per_row = [im for ims in per_row for im in ims], [len(ims) for ims in per_row]
+    images = [im for ims in per_row for im in ims]
+    images_per_row = [len(ims) for ims in per_row]
     inputs = {}
     if images:
         if image_processor is None:
@@ -218,10 +219,8 @@ def chat_text(sample: dict, tokenizer, num_images: int) -> str:
     """The chat-templated prompt with one `<|image_pad|>` per image (expanded later to the visual tokens)."""
     text = tokenizer.apply_chat_template(sample_messages(sample), tokenize=False, add_generation_prompt=True)
     if text.count(IMAGE_PAD) != num_images:
-        found = (
-            f"the chat text has {text.count(IMAGE_PAD)} image placeholders but the sample {num_images} images"
-        )
-        raise ValueError(f"{location(sample)}: {found}")
+        placeholders = f"the chat text has {text.count(IMAGE_PAD)} image placeholders"
+        raise ValueError(f"{location(sample)}: {placeholders} but the sample {num_images} images")
     return text
 
 

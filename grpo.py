@@ -234,11 +234,9 @@ def output_head(model: torch.nn.Module) -> Tensor:
         raise ValueError(f"{type(model).__name__}'s LM head has a bias, which completion_logprobs leaves out")
     text_config = model.config.get_text_config()
     for name in ("logit_scale", "logits_scaling", "final_logit_softcapping"):
-        if getattr(text_config, name, None) not in (None, 1, 1.0):
-            value = getattr(text_config, name)
-            raise ValueError(
-                f"{type(model).__name__} has {name}={value}, which completion_logprobs leaves out"
-            )
+        value = getattr(text_config, name, None)
+        if value not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__}: {name}={value}, which completion_logprobs leaves out")
     return head.weight
 
 

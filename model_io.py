@@ -52,7 +52,7 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
     tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: completion masks are built from lengths
+        tokenizer.pad_token = tokenizer.eos_token  # safe: the mask ends at the FIRST end of turn
     image_processor = transformers.AutoImageProcessor.from_pretrained(name_or_path) if is_vlm else None
     return model, tokenizer, image_processor
 

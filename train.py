@@ -195,8 +195,7 @@ def train_step(
     metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), **stats, "skipped": skipped}
     metrics["reward/mean"] = reward.mean().item()
     metrics["reward/std"] = reward.std(correction=0).item()
-    for name, values in scores.components.items():
-        metrics[f"reward/{name}/mean"] = sum(values) / len(values)
+    metrics |= {f"reward/{name}/mean": sum(v) / len(v) for name, v in scores.components.items()}
     metrics["entropy"] = (entropy[mask].mean() if mask.any() else entropy.new_zeros(())).item()
     metrics["completion_length/mean"] = sum(lengths) / len(lengths)
     metrics["frac_truncated"] = truncated.float().mean().item()
@@ -236,10 +235,10 @@ def check_args(args: Args) -> None:
     try:  # each names its own field; the flags are --lora-r, --lora-alpha, --lora-dropout and the loss's
         lora.check_lora(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout)
         loss_config(args)  # grpo.LossConfig checks itself as it is built
-    except ValueError as e:
-        raise ValueError(
-            "--" + re.sub(r"^(r|alpha|dropout):", r"lora_\1:", str(e)).replace("_", "-")
-        ) from None
+    except ValueError as e:  # "r: must be >= 1, got 0" is the flag --lora-r
+        name, _, why = str(e).partition(": ")
+        name = f"lora_{name}" if name in ("r", "alpha", "dropout") else name
+        raise ValueError(f"--{name.replace('_', '-')}: {why}") from None
     positive = ("batch_size", "max_new_tokens", "num_iterations", "lora_last_k", "steps", "eval_every")
     finite = ("lr", "max_grad_norm", "temperature")
     for flag, ok, why in [
@@ -324,14 +323,14 @@ def main(args: Args) -> dict:
             metrics, _ = train_step(model, tokenizer, image_processor, samples, reward_fns, optimizer, args)
             scheduler.step()
             record = {"step": step, "lr": scheduler.get_last_lr()[0], **metrics}
+            if held_out and (step % args.eval_every == 0 or step == args.steps):
+                record |= evaluate(model, tokenizer, image_processor, held_out, reward_fns, args)
+            log(record, metrics_path)  # before the checkpoint: a stop in between repeats it, never loses it
             if step % args.eval_every == 0 or step == args.steps:
-                if held_out:
-                    record |= evaluate(model, tokenizer, image_processor, held_out, reward_fns, args)
                 model_io.save_checkpoint(
                     checkpoint, model, optimizer, scheduler, step=step, settings=settings
                 )
                 saved = step
-            log(record, metrics_path)
     except KeyboardInterrupt:  # Ctrl-C: one line saying where the run stands (checkpoint.pt is whole)
         print(f"\nstopped in step {step}; {checkpoint} is at step {saved}: add --resume", file=sys.stderr)
         raise

@@ -522,7 +522,7 @@ def test_a_head_with_a_bias_or_scaled_or_capped_logits_is_refused_naming_the_rea
     grpo.completion_logprobs(random_causal_lm, inputs, completion, temperature=1.0)  # a plain head: fine
     for name, value in [("final_logit_softcapping", 30.0), ("logit_scale", 0.0625), ("logits_scaling", 8.0)]:
         setattr(random_causal_lm.config, name, value)
-        with pytest.raises(ValueError, match=f"has {name}={value}, which completion_logprobs leaves out"):
+        with pytest.raises(ValueError, match=f": {name}={value}, which completion_logprobs leaves out"):
             grpo.completion_logprobs(random_causal_lm, inputs, completion, temperature=1.0)
         setattr(random_causal_lm.config, name, None)
     head = random_causal_lm.lm_head

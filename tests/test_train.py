@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -124,6 +125,25 @@ def test_a_stopped_run_resumed_writes_the_uninterrupted_runs_bytes(tmp_path, mon
     monkeypatch.undo()
     train.main(train.Args(**flags, output_dir=str(parts), resume=True))  # step 3's line is written once
     assert (parts / "metrics.jsonl").read_bytes() == (tmp_path / "whole" / "metrics.jsonl").read_bytes()
+
+
+def test_a_stop_right_after_a_checkpoint_is_written_loses_no_line_of_metrics(tmp_path, monkeypatch):
+    flags = dict(TINY, eval_every=2, steps=4)
+    train.main(train.Args(**flags, output_dir=str(tmp_path / "whole")))
+    real_save = model_io.save_checkpoint
+
+    def save_then_stop(path, *args, step, **kwargs):  # Ctrl-C the moment checkpoint.pt at step 2 is whole
+        real_save(path, *args, step=step, **kwargs)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(model_io, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(train.Args(**flags, output_dir=str(tmp_path / "parts")))
+    monkeypatch.undo()
+    train.main(train.Args(**flags, output_dir=str(tmp_path / "parts"), resume=True))
+    whole = (tmp_path / "whole" / "metrics.jsonl").read_bytes()
+    assert (tmp_path / "parts" / "metrics.jsonl").read_bytes() == whole
 
 
 def test_a_run_continues_to_more_steps_and_a_finished_one_resumes_to_nothing(tmp_path):
@@ -260,6 +280,7 @@ BAD_FLAGS = [
     (dict(gate=("iou",)), "--gate: must name rewards of --reward, got ('iou',)"),
     (dict(top_p=0.0), "--top-p: must be in (0, 1], got 0.0"),
     (dict(clip_eps_low=1.0), "--clip-eps-low: must be in [0, 1), got 1.0"),
+    (dict(loss_type="ppo"), "--loss-type: must be one of ('grpo', 'dapo', 'dr_grpo'), got ppo"),
 ]
 
 
@@ -273,22 +294,37 @@ def test_a_bad_flag_is_refused_before_anything_loads_naming_it(tmp_path, monkeyp
     assert not (tmp_path / "run").exists()
 
 
+COMMAND_LINE_MISTAKES = [
+    (["--lr", "nan"], "error: --lr: must be a number > 0, got nan"),
+    (["--beta", "-1"], "error: --beta: must be a number >= 0 (0 drops the KL term), got -1.0"),
+    (["--data", "bad.jsonl", "--reward", "label"], "error: bad.jsonl:2:1: invalid JSON: Expecting value"),
+    (["--reward", "label", "nope.py:judge"], "error: reward 'nope.py:judge': cannot import nope.py"),
+]
+
+
 @pytest.mark.parametrize(
-    "flags, line",
-    [
-        (["--lr", "nan"], "error: --lr: must be a number > 0, got nan"),
-        (["--beta", "-1"], "error: --beta: must be a number >= 0 (0 drops the KL term), got -1.0"),
-        (["--data", "bad.jsonl", "--reward", "label"], "error: bad.jsonl:2:1: invalid JSON: Expecting value"),
-        (["--reward", "label", "nope.py:judge"], "error: reward 'nope.py:judge': cannot import nope.py"),
-    ],
-    ids=["lr-nan", "beta-negative", "bad-json-line", "missing-plug-in"],
+    "flags, line", COMMAND_LINE_MISTAKES, ids=["lr-nan", "beta-negative", "bad-json-line", "missing-plug-in"]
 )
-def test_on_the_command_line_a_mistake_is_one_line_exit_2_no_traceback(tmp_path, flags, line):
+def test_on_the_command_line_a_mistake_is_one_line_exit_2_no_traceback(
+    tmp_path, monkeypatch, capsys, flags, line
+):
+    """train.py run as `__main__` in this process (the next test runs one case as its own process)."""
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok", "label": "通过"}\n}\n', encoding="utf-8")
-    done = run_command(*flags, "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py", *flags, "--output-dir", str(tmp_path / "run")])
+    monkeypatch.setattr(model_io, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and stderr.startswith(line) and stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_mistake_typed_in_a_terminal_is_one_line_on_stderr_and_exit_status_2(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok", "label": "通过"}\n}\n', encoding="utf-8")
+    done = run_command("--data", "bad.jsonl", "--output-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith(line), done.stderr
-    assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr  # nothing loaded
+    assert done.stderr == "error: bad.jsonl:2:1: invalid JSON: Expecting value\n", done.stderr
     assert not (tmp_path / "run").exists()
 
 
