@@ -83,7 +83,7 @@ class LossConfig:
         check_choices(self)
         _require(self, "beta", 0 <= self.beta < math.inf, "must be a number >= 0 (0 drops the KL term)")
         _require(self, "clip_eps_low", 0 <= self.clip_eps_low < 1, "must be in [0, 1)")
-        _require(self, "clip_eps_high", 0 <= self.clip_eps_high < math.inf, "must be a number >= 0")
+        _require(self, "clip_eps_high", 0 <= self.clip_eps_high < 1e38, "must be a number in [0, 1e38)")
 
 
 # --- Advantages ---------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ class Args:
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch's input during the update."""
     lr: float = 2e-3
-    """Peak AdamW learning rate (tiny model; about 1e-5 to 5e-5 on real models)."""
+    """Peak AdamW learning rate (tiny model; about 1e-5 to 5e-5 on real models); 0: a no-update control."""
     warmup_steps: int = 5
     """Linear warm-up steps before the cosine decay to 0."""
     max_grad_norm: float = 1.0
@@ -240,10 +240,12 @@ def check_args(args: Args) -> None:
         name = f"lora_{name}" if name in ("r", "alpha", "dropout") else name
         raise ValueError(f"--{name.replace('_', '-')}: {why}") from None
     positive = ("batch_size", "max_new_tokens", "num_iterations", "lora_last_k", "steps", "eval_every")
-    finite = ("lr", "max_grad_norm", "temperature")
+    finite = ("max_grad_norm", "temperature")
     for flag, ok, why in [
         *((name, getattr(args, name) >= 1, "must be >= 1") for name in positive),
         *((name, 0 < getattr(args, name) < math.inf, "must be a number > 0") for name in finite),
+        ("lr", 0 <= args.lr < 1, "must be a number in [0, 1) (AdamW moves a weight by about lr a step)"),
+        ("dtype", args.dtype in ("auto", *model_io.DTYPES), "must be auto, float32 or bfloat16"),
         ("device", re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device), "must be auto, cpu, cuda or cuda:N"),
         ("device", "cuda" not in args.device or torch.cuda.is_available(), "names no GPU of this machine"),
         ("top_p", 0 < args.top_p <= 1, "must be in (0, 1]"),

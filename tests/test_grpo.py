@@ -495,8 +495,9 @@ BAD_LOSS_SETTINGS = [
     (dict(beta=-1.0), "beta: must be a number >= 0 (0 drops the KL term), got -1.0"),
     (dict(beta=math.nan), "beta: must be a number >= 0 (0 drops the KL term), got nan"),
     (dict(clip_eps_low=1.5), "clip_eps_low: must be in [0, 1), got 1.5"),
-    (dict(clip_eps_high=-0.1), "clip_eps_high: must be a number >= 0, got -0.1"),
-    (dict(clip_eps_high=math.inf), "clip_eps_high: must be a number >= 0, got inf"),
+    (dict(clip_eps_high=-0.1), "clip_eps_high: must be a number in [0, 1e38), got -0.1"),
+    (dict(clip_eps_high=1e308), "clip_eps_high: must be a number in [0, 1e38), got 1e+308"),
+    (dict(clip_eps_high=math.inf), "clip_eps_high: must be a number in [0, 1e38), got inf"),
     (dict(loss_type="cispo"), "loss_type: must be one of ('grpo', 'dapo', 'dr_grpo'), got cispo"),
     (
         dict(importance_sampling_level="row"),
@@ -510,6 +511,16 @@ def test_a_loss_config_out_of_range_is_refused_when_built_naming_the_field(setti
     with pytest.raises(ValueError) as error:
         grpo.LossConfig(**settings)
     assert str(error.value).startswith(message)
+
+
+def test_the_widest_clip_a_loss_config_takes_is_one_float32_holds():
+    """1 + clip_eps_high becomes a float32 clamp bound: 1e308 would overflow it (torch raises), 9.9e37 not."""
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    config = grpo.LossConfig(beta=0.0, clip_eps_high=9.9e37)
+    loss, _ = grpo.grpo_loss(logp, logp.detach() - 1.0, None, torch.tensor([1.0, -1.0]), mask, config)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
 
 # --- the model interface the log-prob half needs ------------------------------------------------------------

@@ -69,6 +69,20 @@ def test_a_step_changes_the_lora_weights_only_and_reports_its_metrics():
     assert any(not torch.equal(after[n], v) for n, v in adapters.items())  # B moved off 0 (A too, via B)
 
 
+def test_the_no_update_control_lr_0_trains_every_step_and_leaves_lora_where_it_started(tmp_path):
+    out = tmp_path / "run"
+    train.main(train.Args(**TINY, steps=2, lr=0.0, output_dir=str(out)))
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    torch.manual_seed(train.Args().seed)  # LoRA's initialisation draws from the seed, as main's does
+    model, _, _ = model_io.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    lora.inject_lora(model, r=8, alpha=16.0, last_k=4)
+    start = lora.lora_state_dict(model)
+    assert state["step"] == 2 and state["lora"].keys() == start.keys()
+    assert all(torch.equal(state["lora"][k], start[k]) for k in start)  # B is still exactly 0, A unmoved
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2] and all(x["grad_norm"] > 0 for x in lines[1:])
+
+
 def test_main_writes_metrics_a_tensor_only_checkpoint_with_its_flags_and_the_adapter(tmp_path):
     out = tmp_path / "run"
     last = train.main(train.Args(**TINY, steps=2, output_dir=str(out)))
@@ -260,9 +274,13 @@ def test_nothing_is_written_through_a_symbolic_link(tmp_path):
 # --- every flag checked before anything loads: one line naming it ------------------------------------------
 
 NAN, INF = math.nan, math.inf
+LR_RANGE = "--lr: must be a number in [0, 1) (AdamW moves a weight by about lr a step)"
 BAD_FLAGS = [
-    (dict(lr=NAN), "--lr: must be a number > 0, got nan"),
-    (dict(lr=INF), "--lr: must be a number > 0, got inf"),
+    (dict(lr=NAN), f"{LR_RANGE}, got nan"),
+    (dict(lr=1e30), f"{LR_RANGE}, got 1e+30"),  # would overflow the activations after one step
+    (dict(lr=-1e-3), f"{LR_RANGE}, got -0.001"),
+    (dict(dtype="float16"), "--dtype: must be auto, float32 or bfloat16, got float16"),
+    (dict(clip_eps_high=1e308), "--clip-eps-high: must be a number in [0, 1e38), got 1e+308"),
     (dict(max_grad_norm=NAN), "--max-grad-norm: must be a number > 0, got nan"),
     (dict(lora_alpha=NAN), "--lora-alpha: must be a number > 0, got nan"),
     (dict(lora_r=0), "--lora-r: must be >= 1, got 0"),
@@ -295,7 +313,7 @@ def test_a_bad_flag_is_refused_before_anything_loads_naming_it(tmp_path, monkeyp
 
 
 COMMAND_LINE_MISTAKES = [
-    (["--lr", "nan"], "error: --lr: must be a number > 0, got nan"),
+    (["--lr", "nan"], f"error: {LR_RANGE}, got nan"),
     (["--beta", "-1"], "error: --beta: must be a number >= 0 (0 drops the KL term), got -1.0"),
     (["--data", "bad.jsonl", "--reward", "label"], "error: bad.jsonl:2:1: invalid JSON: Expecting value"),
     (["--reward", "label", "nope.py:judge"], "error: reward 'nope.py:judge': cannot import nope.py"),

@@ -91,7 +91,7 @@ def test_group_advantages_clipping():
 BAD_LOSS_SETTINGS = [
     (dict(beta=-1.0), "beta: must be a number >= 0 (0 drops the KL term), got -1.0"),
     (dict(clip_eps_low=1.5), "clip_eps_low: must be in [0, 1), got 1.5"),
-    (dict(clip_eps_high=math.nan), "clip_eps_high: must be a number >= 0, got nan"),
+    (dict(clip_eps_high=math.nan), "clip_eps_high: must be a number in [0, 1e38), got nan"),
     (dict(loss_type="sum"), "loss_type: must be one of ('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo')"),
     (dict(delta=1.2), "delta: must be > 1 + clip_eps_high, got 1.2"),
     (dict(sapo_temperature_pos=0.0), "sapo_temperature_pos: must be > 0, got 0.0"),
