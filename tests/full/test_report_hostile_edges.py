@@ -176,3 +176,25 @@ def test_score_rollouts_reports_a_line_whose_step_is_a_list_and_scores_the_other
     assert f"{rollouts}:9: step must be an integer or a string, got float nan" in child.stderr
     report = json.loads((tmp_path / "rollouts.scored.report.json").read_text())
     assert report["counts"] == {"lines": 9, "scored": 7, "bad": 2, "groups": 1}
+
+
+# --- evaluate: an output an older version wrote with NaN and Infinity ---------------------------------------
+
+
+def test_evaluate_continues_an_output_whose_lines_hold_nan_and_writes_a_strict_summary(tmp_path):
+    out = tmp_path / "eval.jsonl"
+    argv = ["scripts/evaluate.py", "--eval-size", "2", "--batch-size", "2", "--max-new-tokens", "8"]
+    argv += ["--output", out]
+    assert command(*argv).returncode == 0
+    lines = out.read_text(encoding="utf-8").splitlines()
+    first = json.loads(lines[0])
+    first["total"] = [float("nan")]
+    first["rewards"] = {name: [float("inf")] for name in first["rewards"]}
+    lines[0] = json.dumps(first, ensure_ascii=False)  # NaN and Infinity, as json.dumps writes them by default
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    child = command(*argv)  # every sample done: the summary of the file as it is
+    assert child.returncode == 0 and "Traceback" not in child.stderr, child.stderr[-3000:]
+    summary = json.loads(
+        (tmp_path / "eval.summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"summary: {c}")
+    )
+    assert summary["reward/mean"] == json.loads(lines[1])["total"][0]
