@@ -18,13 +18,11 @@ Choices:
   run goes on undisturbed and any run folder can be shown (a finished one, one being written, one from an
   earlier version without thumbs/ or eval_samples.jsonl). The command writes only its output file: a file
   it wrote before, or a new one (`check_out`); never a file of the run folder but its report.html.
-- A run folder is data from anyone: what cannot be read is said where it would show, never raised. A JSONL
-  line that is not JSON (a live run's torn last line), longer than MAX_LINE_BYTES, nested deeper than
-  MAX_DEPTH or without an integer step is skipped and listed ("metrics.jsonl:17: not JSON"); NaN and
-  Infinity (an older version wrote them; JSON has neither) read as null and show as "–"; a lone surrogate
-  (text JS or Java cut inside an emoji) shows as U+FFFD. Every field the page reads is given its type here
-  (`box`, `size`, `turns_view`, ...): a malformed one is left out and listed, the page's script never meets
-  it. No file is read through a symbolic link: an image only from the run folder's own thumbs/ directory.
+- A run folder is data from anyone: what cannot be read is said where it would show, never raised. Its
+  files are read by run_reader.py (lines of at most 16 MB, nesting, NaN and Infinity as null shown as "–",
+  a lone surrogate as U+FFFD, no file through a symbolic link: images only from the run folder's own
+  thumbs/ directory); every field the page reads is given its type here (`box`, `size`, `turns_view`, ...):
+  a malformed one is left out and listed, the page's script never meets it.
 - Self-contained: the data is one JSON blob in a <script type="application/json"> ('<' written as \\u003c,
   so no text can close the element); each image file is embedded once, as a base64 data: URI referenced by
   number, and texts that repeat (prompts, completions) are stored once. The CSS and JS are inline, written
@@ -37,8 +35,7 @@ Choices:
   the other metrics are a table (count, range, last value). PNG rather than SVG: its size does not grow with
   the number of steps. A metric with fewer than MIN_CHART_POINTS values is a table of them instead (and
   costs no drawing: a short run's report is quick to build). Names are drawn as text (no mathtext: `$`).
-- Bounded whatever the folder holds (docs/report.md gives the figures): lines of at most MAX_LINE_BYTES;
-  at most MAX_CURVE_LINES metrics lines kept for the curves (evenly thinned beyond) and MAX_METRIC_KEYS
+- Bounded whatever the folder holds (docs/report.md gives the figures): at most MAX_CURVE_LINES metrics lines kept for the curves (evenly thinned beyond) and MAX_METRIC_KEYS
   metric names; at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows (MAX_STEP_ROWS in one step),
   spread evenly over the run with the first and last included (the page names the steps left out); texts
   cut at MAX_TEXT characters, MAX_TEXTS_CHARS in all; images at most MAX_IMAGE_BYTES each and
@@ -55,19 +52,28 @@ import html
 import io
 import json
 import math
-import numbers
 import os
 import re
 import stat
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from matplotlib.figure import Figure
 
 from grpo_vlm import cli, files, logs
+from grpo_vlm.run_reader import (
+    MAX_STEP,
+    Problems,
+    Thinned,
+    count,
+    number,
+    open_run_file,
+    read_jsonl,
+    read_run_json,
+    step_counts,
+)
 
 MAX_STEPS = 200  # logged steps of rollouts in one report
 MAX_ROWS = 32_000  # rows (completions) of rollouts in one report: 200 steps of B = 16 x G = 10
@@ -76,20 +82,14 @@ MAX_TEXT = 4_000  # characters of one prompt, completion or target field
 MAX_TEXTS_CHARS = 16_000_000  # characters of every text together
 MAX_IMAGE_BYTES = 4 << 20  # one image file: a -seen image is at most 1536 px, far below
 MAX_IMAGES_BYTES = 64 << 20  # every image file together
-MAX_LINE_BYTES = 16 << 20  # one line of a JSONL file (or run.json): a longer one is not read
-MAX_DEPTH = 32  # nesting of one line's JSON: the trainer's deepest (a tool call's crop) is 7
 MAX_ITEMS = 16  # entries kept of a record's lists and objects (images, turns, crops, a target's fields)
 MAX_BOXES = 64  # boxes kept of one completion or target
 MAX_CURVE_LINES = 10_000  # metrics lines kept for the curves (and as many evaluation lines)
 MAX_METRIC_KEYS = 5_000  # distinct metric names
 MAX_PANELS = 24  # small multiples besides the main figure
 MAX_PAIRS = 2_000  # held-out samples shown before / after
-MAX_LOGGED_STEPS = 1_000_000  # distinct steps of rollouts.jsonl counted (about 100 bytes each)
-MAX_PROBLEMS = 200  # problem notes listed; the rest counted
 MIN_CHART_POINTS = 10  # fewer values: a table says more than a chart
 THUMB_NAME = re.compile(r"thumbs/([A-Za-z0-9_.-]+\.jpe?g)")  # the contract's names; nothing outside thumbs/
-STEP_PREFIX = re.compile(rb'\{"step": (\d{1,15})[,}]')  # how logs.rollout_records starts every line
-MAX_STEP = 2**53  # a step JSON and JS both hold exactly
 CHART_KEYS = ("reward/mean", "eval/accuracy", "kl")  # the panels of logs.curves_figure
 # The trainer's metrics a person asks for first (metrics.jsonl's order of importance); then the others in
 # the order they first appear.
@@ -136,76 +136,9 @@ addEventListener("securitypolicyviolation", e => reportError(`blocked: ${e.viola
 # --- Values as the page takes them: JSON without NaN, text UTF-8 can hold, each field of its type --------
 
 
-class _NonFinite:
-    """What json.loads reads for NaN, Infinity, -Infinity or 1e400: turned into None by `clean`."""
-
-
-NON_FINITE = _NonFinite()
-
-
-class TooDeep(ValueError):
-    pass
-
-
-def _parse_float(text: str) -> float | _NonFinite:
-    value = float(text)
-    return value if math.isfinite(value) else NON_FINITE
-
-
-def parse_json(text: str) -> Any:
-    """json.loads, NaN / Infinity / a float beyond the float range read as NON_FINITE."""
-    return json.loads(text, parse_constant=lambda _: NON_FINITE, parse_float=_parse_float)
-
-
-@dataclass
-class Found:
-    """What `clean` replaced in one record: non-finite numbers, and the first text that is not valid."""
-
-    non_finite: int = 0
-    not_text: str | None = None  # "field: not valid text (a lone surrogate at character N)"
-
-
-def clean(value: Any, found: Found, path: str = "", depth: int = 0) -> Any:
-    """`value` (parsed JSON) as the page may carry it: NON_FINITE and an int beyond the float range as None,
-    a lone surrogate as U+FFFD (`found` counts both); TooDeep beyond MAX_DEPTH levels of nesting."""
-    if depth > MAX_DEPTH:
-        raise TooDeep(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if value is NON_FINITE or (type(value) is int and abs(value) > 10**308):
-        found.non_finite += 1
-        return None
-    if isinstance(value, str):
-        if bad := logs.LONE_SURROGATE.search(value):
-            at = f"{path}: " if path else ""
-            found.not_text = (
-                found.not_text or f"{at}not valid text (a lone surrogate at character {bad.start() + 1})"
-            )
-            return logs.LONE_SURROGATE.sub("\ufffd", value)
-        return value
-    inner = f"{path}." if path else ""
-    if isinstance(value, dict):
-        return {
-            clean(k, found, path, depth): clean(v, found, f"{inner}{k}", depth + 1) for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [clean(v, found, f"{inner}{i}", depth + 1) for i, v in enumerate(value)]
-    return value
-
-
 def shown_path(path: str | os.PathLike) -> str:
     """A file system path as text the page can hold (a byte that is not UTF-8 as U+FFFD)."""
     return os.fsencode(path).decode("utf-8", "replace")
-
-
-def number(value: object) -> float | None:
-    """A finite number as JSON can carry it; anything else None (JSON has no NaN)."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value):
-        return value
-    return None
-
-
-def count(value: object) -> int | None:
-    """A non-negative integer (a length, an index), or None."""
-    return value if type(value) is int and 0 <= value < MAX_STEP else None
 
 
 def cut(text: object, limit: int = MAX_TEXT) -> str:
@@ -281,179 +214,6 @@ def reward_values(rewards: object) -> dict[str, float | None]:
     if not isinstance(rewards, dict):
         return {}
     return {cut(k, 200): number(v) for k, v in list(rewards.items())[:MAX_ITEMS]}
-
-
-# --- Reading the run folder: read-only, bounded, never through a link; problems listed, never raised -----
-
-
-@dataclass
-class Problems:
-    """The notes the page lists at its top: at most MAX_PROBLEMS, the others counted."""
-
-    notes: list[str] = field(default_factory=list)
-    more: int = 0
-    non_finite: dict[str, list[int]] = field(default_factory=dict)  # {file: [values, lines, first line]}
-
-    def add(self, note: str) -> None:
-        if len(self.notes) < MAX_PROBLEMS:
-            self.notes.append(note)
-        else:
-            self.more += 1
-
-    def listed(self) -> list[str]:
-        notes = list(self.notes)
-        for name, (values, lines, first) in self.non_finite.items():
-            notes.append(
-                f"{name}: {values:,} values on {lines:,} lines are NaN or Infinity, which JSON has not "
-                f"(written by an earlier version?), first at line {first}; shown as –"
-            )
-        return notes + ([f"and {self.more:,} more problems"] if self.more else [])
-
-
-def open_run_file(path: Path) -> IO[bytes] | None:
-    """`path` open for reading (None: absent); a ValueError saying why when it is a symbolic link (never
-    followed: the report reads the run folder's own files) or no regular file (a FIFO would block)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if path.is_symlink():
-            raise ValueError(
-                "a symbolic link, not read (the report reads only the run folder's own files)"
-            ) from e
-        raise ValueError(f"unreadable ({e.strerror or e})") from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError("not a regular file, not read")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def lines(f: IO[bytes]) -> Iterator[tuple[int, bytes | None]]:
-    """(line number, the line's bytes) of `f`, None for a line longer than MAX_LINE_BYTES, which is skipped
-    a chunk at a time, never held."""
-    for number_ in range(1, 1 << 62):
-        raw = f.readline(MAX_LINE_BYTES + 1)
-        if not raw:
-            return
-        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-            while (chunk := f.readline(1 << 20)) and not chunk.endswith(b"\n"):
-                pass
-            raw = None
-        yield number_, raw
-
-
-def load_line(raw: bytes, name: str, number_: int, problems: Problems) -> Any:
-    """A line's JSON, cleaned (`clean`), or None with its problem listed ('name:line: why')."""
-    where = f"{name}:{number_}"
-    try:
-        found = Found()
-        value = clean(parse_json(raw.decode("utf-8")), found)
-    except UnicodeDecodeError:
-        problems.add(f"{where}: not UTF-8")
-        return None
-    except TooDeep as e:
-        problems.add(f"{where}: {e}")
-        return None
-    except (ValueError, RecursionError):  # json's parser recurses once per '[' or '{'; a 5,000-digit int
-        if raw.strip():
-            # NOTE: a live run's last line may be read while it is written: torn, no newline yet
-            torn = " (a torn last line: a live run writing it?)" if not raw.endswith(b"\n") else ""
-            problems.add(f"{where}: not JSON{torn}")
-        return None
-    if found.non_finite:
-        values, lines_, first = problems.non_finite.get(name, [0, 0, number_])
-        problems.non_finite[name] = [values + found.non_finite, lines_ + 1, first]
-    if found.not_text:
-        problems.add(f"{where}: {found.not_text}; shown with U+FFFD")
-    return value
-
-
-def read_jsonl(path: Path, problems: Problems, steps: set[int] | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of each line of `path` that is a JSON object with an integer step in [0, 2**53)
-    (absent file: nothing); with `steps`, only the lines of those steps (the others not parsed). Each damaged
-    line adds 'name:line: why' to `problems`."""
-    try:
-        f = open_run_file(path)
-    except ValueError as e:
-        problems.add(f"{path.name}: {e}")
-        return
-    if f is None:
-        return
-    with f:
-        for number_, raw in lines(f):
-            if raw is None:
-                problems.add(f"{path.name}:{number_}: longer than {MAX_LINE_BYTES >> 20} MB, not read")
-                continue
-            if steps is not None and (m := STEP_PREFIX.match(raw)) and int(m[1]) not in steps:
-                continue
-            if not raw.strip():
-                continue
-            record = load_line(raw, path.name, number_, problems)
-            if record is None:
-                continue
-            step = record.get("step") if isinstance(record, dict) else None
-            if type(step) is not int or count(step) is None:
-                why = "not a record with an integer step" if type(step) is not int else "a step out of range"
-                problems.add(
-                    f"{path.name}:{number_}: {why} (0 to 2**53)"
-                    if type(step) is int
-                    else f"{path.name}:{number_}: {why}"
-                )
-                continue
-            if steps is None or record["step"] in steps:
-                yield number_, record
-
-
-def step_counts(path: Path, problems: Problems) -> dict[int, int]:
-    """{step: rows} of rollouts.jsonl, read cheaply: the step from the line's start, a full parse only for a
-    line that does not start as the trainer writes it (a damaged line counts nowhere: read_jsonl lists it).
-    At most MAX_LOGGED_STEPS steps are counted."""
-    counts: dict[int, int] = {}
-    try:
-        f = open_run_file(path)
-    except ValueError:
-        return counts  # read_jsonl says why
-    if f is None:
-        return counts
-    with f:
-        for _, raw in lines(f):
-            if raw is None:
-                continue
-            if m := STEP_PREFIX.match(raw):
-                step = int(m[1])
-            else:
-                record = load_line(raw, path.name, 0, Problems())  # read_jsonl lists its problems
-                step = count(record.get("step")) if isinstance(record, dict) else None
-                if step is None:
-                    continue
-            if step in counts or len(counts) < MAX_LOGGED_STEPS:
-                counts[step] = counts.get(step, 0) + 1
-    if len(counts) == MAX_LOGGED_STEPS:
-        problems.add(f"{path.name}: more than {MAX_LOGGED_STEPS:,} logged steps; the later ones are left out")
-    return counts
-
-
-def read_run_json(run_dir: Path, problems: Problems) -> dict:
-    """run.json as a dict ({} when absent or damaged, which `problems` then says)."""
-    try:
-        f = open_run_file(run_dir / "run.json")
-    except ValueError as e:
-        problems.add(f"run.json: {e}")
-        return {}
-    if f is None:
-        problems.add("run.json: absent (a run folder from an earlier version?): settings unknown")
-        return {}
-    with f:
-        raw = f.read(MAX_LINE_BYTES + 1)
-    if len(raw) > MAX_LINE_BYTES:
-        problems.add(f"run.json: longer than {MAX_LINE_BYTES >> 20} MB, not read")
-        return {}
-    record = load_line(raw + b"\n", "run.json", 1, problems)
-    if record is not None and not isinstance(record, dict):
-        problems.add("run.json: not a JSON object")
-    return record if isinstance(record, dict) else {}
 
 
 def flat_settings(settings: dict, depth: int = 0) -> dict:
@@ -790,23 +550,6 @@ def eval_pairs(run_dir: Path, texts: Texts, images: Images, problems: Problems) 
 
 
 # --- Metrics: bounded whatever metrics.jsonl holds ----------------------------------------------------------
-
-
-@dataclass
-class Thinned:
-    """At most `cap` of the items added, evenly spread: every `stride`-th, the stride doubled when full."""
-
-    cap: int
-    items: list = field(default_factory=list)
-    stride: int = 1
-    seen: int = 0
-
-    def add(self, item: Any) -> None:
-        if self.seen % self.stride == 0:
-            self.items.append(item)
-            if len(self.items) > self.cap:
-                self.items, self.stride = self.items[::2], self.stride * 2
-        self.seen += 1
 
 
 @dataclass
