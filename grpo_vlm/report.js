@@ -14,6 +14,7 @@ const COMPONENTS = data.rollouts.components;
 const ACCURACY = COMPONENTS.indexOf(data.accuracy); // -1: no accuracy component, nothing is "right"
 const PALETTE = ["#1f77b4", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#ff7f0e"];
 const PAGE = 60; // before/after cards shown at a time: a 2,000-sample held-out set stays quick
+const GROUPS_PAGE = 64; // group cards of a step shown at a time (the default run's step has 16)
 
 // --- small helpers ----------------------------------------------------------------------------------------
 function el(tag, attrs, ...children) {
@@ -193,7 +194,7 @@ function curvesSection() {
 }
 
 // --- rollouts ---------------------------------------------------------------------------------------------
-const view = { step: 0, groups: "all", rows: "all", component: "", query: "" };
+const view = { step: 0, groups: "all", rows: "all", component: "", query: "", limit: GROUPS_PAGE };
 const STEPS = data.rollouts.steps;
 
 function rowPasses(row) {
@@ -277,19 +278,23 @@ function renderStep() {
   const step = STEPS[view.step];
   box.replaceChildren();
   if (!step) return;
-  let shown = 0;
-  for (const group of step.groups) {
-    if (!groupPasses(group) || !group.rows.some(rowPasses)) continue;
-    box.append(groupCard(step.step, group));
-    shown += 1;
+  // NOTE: a step of B = 256 prompts is 256 cards and their images: drawn GROUPS_PAGE at a time
+  const passing = step.groups.filter(group => groupPasses(group) && group.rows.some(rowPasses));
+  const shown = passing.slice(0, view.limit);
+  box.append(...shown.map(group => groupCard(step.step, group)));
+  if (passing.length > shown.length) {
+    const more = Math.min(GROUPS_PAGE, passing.length - shown.length);
+    box.append(el("button", { onclick: () => { view.limit += GROUPS_PAGE; renderStep(); } }, `show ${more} more of ${passing.length - shown.length}`));
   }
   document.getElementById("step-select").value = view.step;
-  document.getElementById("shown").textContent = `step ${step.step}: ${shown} of ${step.groups.length} groups shown`;
-  if (!shown) box.append(note("No group of this step passes the filters."));
+  const of = passing.length < step.groups.length ? ` (${passing.length} pass the filters)` : "";
+  document.getElementById("shown").textContent = `step ${step.step}: ${shown.length} of ${step.groups.length} groups shown${of}`;
+  if (!shown.length) box.append(note("No group of this step passes the filters."));
 }
 
 function goTo(index) {
   view.step = Math.max(0, Math.min(STEPS.length - 1, index));
+  view.limit = GROUPS_PAGE;
   renderStep();
 }
 
@@ -317,7 +322,9 @@ function search(query) {
 function reveal(stepIndex, groupNumber) {
   Object.assign(view, { groups: "all", rows: "all", component: "" });
   for (const id of ["group-filter", "row-filter", "component-filter"]) document.getElementById(id).selectedIndex = 0;
-  goTo(stepIndex);
+  view.step = stepIndex;
+  view.limit = STEPS[stepIndex].groups.findIndex(g => g.group === groupNumber) + GROUPS_PAGE;
+  renderStep();
   const card = document.getElementById(`g-${STEPS[stepIndex].step}-${groupNumber}`);
   if (card) {
     card.scrollIntoView({ block: "start" });

@@ -35,12 +35,14 @@ Choices:
   the other metrics are a table (count, range, last value). PNG rather than SVG: its size does not grow with
   the number of steps. A metric with fewer than MIN_CHART_POINTS values is a table of them instead (and
   costs no drawing: a short run's report is quick to build). Names are drawn as text (no mathtext: `$`).
-- Bounded whatever the folder holds (docs/report.md gives the figures): at most MAX_CURVE_LINES metrics lines kept for the curves (evenly thinned beyond) and MAX_METRIC_KEYS
-  metric names; at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows (MAX_STEP_ROWS in one step),
-  spread evenly over the run with the first and last included (the page names the steps left out); texts
-  cut at MAX_TEXT characters, MAX_TEXTS_CHARS in all; images at most MAX_IMAGE_BYTES each and
-  MAX_IMAGES_BYTES in all (beyond, a placeholder says so); MAX_PAIRS held-out samples. The report of the
-  default 100-step run (B = 16, G = 8, every step logged, 860 distinct 56-px pictures) is 5.7 MB.
+- Bounded whatever the folder holds (docs/report.md gives the figures and how they were measured): at most
+  MAX_CURVE_LINES metrics lines kept for the curves (evenly thinned beyond) and MAX_METRIC_KEYS metric
+  names; at most MAX_STEPS logged steps of rollouts and MAX_ROWS rows (MAX_STEP_ROWS of one step), spread
+  evenly over the run with the first and last included (the page names the steps left out); texts cut at
+  MAX_TEXT characters, MAX_TEXTS_CHARS in all; images at most MAX_IMAGE_BYTES each and MAX_IMAGES_BYTES in
+  all (beyond, a placeholder says so); MAX_PAIRS held-out samples; lists and objects of a record at most
+  MAX_ITEMS entries (MAX_BOXES boxes). The report of the default 100-step run (B = 16, G = 8, every step
+  logged, 860 distinct 56-px pictures) is 5.7 MB.
 """
 
 from __future__ import annotations
@@ -363,10 +365,24 @@ def image_entries(record: dict, images: Images) -> list[dict]:
     return entries
 
 
-def crop_view(image: object, images: Images) -> dict | None:
-    """A crop a tool returned as the page draws it, or None when its record is of another shape."""
-    if not isinstance(image, dict) or (image.get("crop") is not None and box(image.get("crop")) is None):
-        return None
+def call_shape(call: object) -> str | None:
+    """What is wrong with a tool call record's shape (None: nothing): the page reads an object whose
+    "images" is a list of {"crop": [x1, y1, x2, y2] or null, "size", "thumb"}."""
+    if not isinstance(call, dict):
+        return f"not an object: {cut(call, 80)}"
+    returned = call.get("images", [])
+    if not isinstance(returned, list):
+        return f"images is {cut(returned, 80)}, not a list"
+    for i, image in enumerate(returned[:MAX_ITEMS]):
+        if not isinstance(image, dict):
+            return f"images[{i}] is {cut(image, 80)}, not an object"
+        if image.get("crop") is not None and box(image["crop"]) is None:
+            return f"images[{i}].crop is {cut(image['crop'], 80)}, not [x1, y1, x2, y2]"
+    return None
+
+
+def crop_view(image: dict, images: Images) -> dict:
+    """A crop a tool returned (`call_shape` checked its record) as the page draws it."""
     crop = {"crop": box(image.get("crop")), "size": size(image.get("size"))}
     number_ = images.add(image["thumb"]) if "thumb" in image else image.get("thumb_error")
     if isinstance(number_, int):
@@ -386,18 +402,8 @@ def turns_view(turns: object, texts: Texts, images: Images, where: str, problems
     for turn in turns[:MAX_ITEMS]:
         turn = turn if isinstance(turn, dict) else {"text": turn}
         view = {"text": texts.inline(turn.get("text", ""))}
-        call = turn.get("call")
-        returned = call.get("images") if isinstance(call, dict) else None
-        crops = (
-            [crop_view(image, images) for image in returned[:MAX_ITEMS]] if isinstance(returned, list) else []
-        )
-        if call is not None and (
-            not isinstance(call, dict)
-            or returned is not None
-            and not isinstance(returned, list)
-            or None in crops
-        ):
-            problems.add(f"{where}: a tool call record of another shape, not shown: {cut(call, 120)}")
+        if (call := turn.get("call")) is not None and (why := call_shape(call)) is not None:
+            problems.add(f"{where}: a tool call record of another shape ({why}), not shown")
         elif call is not None:
             name, error = call.get("name"), call.get("error")
             view["call"] = {
@@ -405,7 +411,7 @@ def turns_view(turns: object, texts: Texts, images: Images, where: str, problems
                 "arguments": texts.inline(call.get("arguments")),
                 "error": cut(error, 500) if error is not None else None,
                 "text": texts.inline(call.get("text") or ""),
-                "images": crops,
+                "images": [crop_view(image, images) for image in (call.get("images") or [])[:MAX_ITEMS]],
             }
         shown.append(view)
     return shown
@@ -487,7 +493,7 @@ def rollout_steps(run_dir: Path, group_size: int, texts: Texts, images: Images, 
         components += [name for name in row[5] if name not in components][: MAX_ITEMS - len(components)]
         groups[key]["rows"].append(row)
     for step, rows in sorted(kept.items()):
-        if counts.get(step, 0) > rows:
+        if rows == MAX_STEP_ROWS and counts.get(step, 0) > rows:
             problems.add(
                 f"rollouts.jsonl: step {step} logged {counts[step]:,} rows; the first {rows:,} are shown"
             )

@@ -171,10 +171,10 @@ def load_line(raw: bytes, name: str, number_: int, problems: Problems) -> Any:
     except UnicodeDecodeError:
         problems.add(f"{where}: not UTF-8")
         return None
-    except TooDeep as e:
-        problems.add(f"{where}: {e}")
+    except (TooDeep, RecursionError):  # json's parser recurses once per '[' or '{'
+        problems.add(f"{where}: JSON nested too deeply (more than {MAX_DEPTH} levels)")
         return None
-    except (ValueError, RecursionError):  # json's parser recurses once per '[' or '{'; a 5,000-digit int
+    except ValueError:  # not JSON; an int of more than 4,300 digits
         if raw.strip():
             # NOTE: a live run's last line may be read while it is written: torn, no newline yet
             torn = " (a torn last line: a live run writing it?)" if not raw.endswith(b"\n") else ""
