@@ -48,14 +48,23 @@ class TooDeep(ValueError):
     pass
 
 
-def _parse_float(text: str) -> float | _NonFinite:
-    value = float(text)
-    return value if math.isfinite(value) else NON_FINITE
+def parse_json(text: str) -> tuple[Any, int]:
+    """(json.loads of `text`, how many values it read as NON_FINITE: NaN, Infinity, a float beyond the float
+    range, an integer of more than 308 digits)."""
+    seen = [0]
 
+    def non_finite(_: str) -> _NonFinite:
+        seen[0] += 1
+        return NON_FINITE
 
-def parse_json(text: str) -> Any:
-    """json.loads, NaN / Infinity / a float beyond the float range read as NON_FINITE."""
-    return json.loads(text, parse_constant=lambda _: NON_FINITE, parse_float=_parse_float)
+    def floats(text: str) -> float | _NonFinite:
+        value = float(text)
+        return value if math.isfinite(value) else non_finite(text)
+
+    def ints(text: str) -> int | _NonFinite:
+        return int(text) if len(text.lstrip("-")) <= 308 else non_finite(text)
+
+    return json.loads(text, parse_constant=non_finite, parse_float=floats, parse_int=ints), seen[0]
 
 
 @dataclass
@@ -71,7 +80,7 @@ def clean(value: Any, found: Found, path: str = "", depth: int = 0) -> Any:
     a lone surrogate as U+FFFD (`found` counts both); TooDeep beyond MAX_DEPTH levels of nesting."""
     if depth > MAX_DEPTH:
         raise TooDeep(f"JSON nested deeper than {MAX_DEPTH} levels")
-    if value is NON_FINITE or (type(value) is int and abs(value) > 10**308):
+    if value is NON_FINITE:
         found.non_finite += 1
         return None
     if isinstance(value, str):
@@ -122,8 +131,8 @@ class Problems:
         notes = list(self.notes)
         for name, (values, lines, first) in self.non_finite.items():
             notes.append(
-                f"{name}: {values:,} values on {lines:,} lines are NaN or Infinity, which JSON has not "
-                f"(written by an earlier version?), first at line {first}; shown as –"
+                f"{name}: {values:,} values on {lines:,} lines are NaN, Infinity or beyond the float range, "
+                f"which JSON has not (written by an earlier version?), first at line {first}; shown as –"
             )
         return notes + ([f"and {self.more:,} more problems"] if self.more else [])
 
@@ -167,7 +176,12 @@ def load_line(raw: bytes, name: str, number_: int, problems: Problems) -> Any:
     where = f"{name}:{number_}"
     try:
         found = Found()
-        value = clean(parse_json(raw.decode("utf-8")), found)
+        value, non_finite = parse_json(raw.decode("utf-8"))
+        # NOTE: `clean` walks the whole value; a line that can hold nothing it replaces is taken as it is:
+        # no NaN read, no surrogate escape (UTF-8 itself cannot hold one), fewer brackets than MAX_DEPTH
+        escaped = b"\\ud" in raw or b"\\uD" in raw
+        if non_finite or escaped or raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+            value = clean(value, found)
     except UnicodeDecodeError:
         problems.add(f"{where}: not UTF-8")
         return None

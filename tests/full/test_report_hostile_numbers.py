@@ -111,7 +111,7 @@ def test_the_report_reads_nan_infinity_and_1e308_as_an_older_run_wrote_them(tmp_
     assert group["rows"][0][1] is None and group["rows"][0][3] is None
     assert group["images"][0]["size"] is None and group["rows"][1][6]["boxes"] == []
     assert group["target"] == {"bbox": [4, 6, 30, 40], "answer": None}
-    notes = [p for p in data["problems"] if "NaN or Infinity" in p]
+    notes = [p for p in data["problems"] if "NaN, Infinity or beyond the float range" in p]
     assert {n.split(":")[0] for n in notes} == {
         "metrics.jsonl",
         "run.json",
