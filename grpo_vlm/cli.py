@@ -30,6 +30,7 @@ file only (a lock path that is a symbolic link or a FIFO is refused, never follo
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -90,6 +91,31 @@ class PluginTimeout(Exception):
     """A plug-in's call ran past its time limit, whatever it returned or raised."""
 
 
+class OsExitCalled(BaseException):  # NOTE: no Exception, so a plug-in's `except Exception` cannot swallow it
+    """A plug-in called os._exit() while it was imported or called (`no_os_exit`)."""
+
+
+_os_exit = os._exit  # the real one: this module ends the process with it (`_exit_stuck`, `exit_process`)
+
+
+def _refuse_os_exit(code: int) -> None:
+    raise OsExitCalled(f"called os._exit({code!r})")
+
+
+@contextmanager
+def no_os_exit() -> Iterator[None]:
+    """Inside, os._exit raises OsExitCalled instead of ending the process: a plug-in's os._exit(0) would end
+    the run with status 0 (no checkpoint, no message), which no caller could tell from a success. Only the
+    name os._exit is replaced, for the `with` block: a plug-in that holds the function itself (`posix._exit`,
+    or `from os import _exit` outside a `plugin_import`) still ends the process, and run.json's
+    "finished": false says so."""
+    previous, os._exit = os._exit, _refuse_os_exit
+    try:
+        yield
+    finally:
+        os._exit = previous
+
+
 def check(condition: bool, flag: str, message: str) -> None:
     """Raise UsageError('--flag: message') unless `condition` holds."""
     if not condition:
@@ -113,6 +139,28 @@ def check_utf8(args: Any) -> None:
                 )
 
 
+# The largest a flag that enters the step's float32 arithmetic may be (a clip bound, an advantage clip, a
+# reward weight): 1 + 1e30 is no clip at all, and float32's largest number is 3.4e38.
+FLOAT32_FLAG_MAX = 1e30
+
+
+def check_finite(args: Any) -> None:
+    """Raise UsageError('--flag: ...') for a float flag that is NaN or infinite: JSON, which run.json records
+    every flag in, has neither, and no setting of this project means either (a large number means "no
+    limit"). `args` is a dataclass of flags, its nested groups flat on the command line."""
+    for field in dataclasses.fields(args):
+        value = getattr(args, field.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value)
+            continue
+        for number in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(number, float) and not math.isfinite(number):
+                flag = f"--{field.name.replace('_', '-')}"
+                raise UsageError(
+                    f"{flag}: must be a finite number (no limit: a large one, e.g. 1e9), got {number}"
+                )
+
+
 @contextmanager
 def user_errors(prefix: str = "") -> Iterator[None]:
     """Inside, the errors that bad input raises (ValueError with file:line, missing files, unreadable
@@ -130,14 +178,17 @@ def user_errors(prefix: str = "") -> Iterator[None]:
 
 @contextmanager
 def plugin_import(spec: str) -> Iterator[None]:
-    """Inside, a plug-in that calls sys.exit() or raises KeyboardInterrupt while it is imported fails as a
-    ValueError naming `spec` (its failure: exit 2, not the status it asked for); a signal (Stopped) passes."""
+    """Inside, a plug-in that calls sys.exit() or os._exit() or raises KeyboardInterrupt while it is imported
+    fails as a ValueError naming `spec` (its failure: exit 2, not the status it asked for); a signal
+    (Stopped) passes."""
     try:
-        yield
-    except (SystemExit, KeyboardInterrupt) as e:
-        if type(e) not in (SystemExit, KeyboardInterrupt):  # NOTE: exactly these: Stopped is a SystemExit
+        with no_os_exit():
+            yield
+    except (SystemExit, KeyboardInterrupt, OsExitCalled) as e:
+        if type(e) not in (SystemExit, KeyboardInterrupt, OsExitCalled):  # NOTE: Stopped is a SystemExit
             raise
         did = f"called sys.exit({e.code!r})" if type(e) is SystemExit else "raised KeyboardInterrupt"
+        did = str(e) if type(e) is OsExitCalled else did
         raise ValueError(f"{spec}: the plug-in file {did} while it was imported") from e
 
 
@@ -262,7 +313,7 @@ def _exit_stuck(name: str) -> None:
         file=sys.stderr,
         flush=True,
     )
-    os._exit(EXIT_STOPPED)
+    _os_exit(EXIT_STOPPED)
 
 
 @contextmanager
@@ -319,11 +370,18 @@ def check_time_limit(flag: str, seconds: float | None) -> None:
         raise ValueError(f"{flag}: unsupported here (it needs SIGALRM, in the main thread)")
 
 
+def plugin_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The last frame of `error`'s traceback outside this module: where the plug-in raised or exited."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__]
+    return frames[-1] if frames else None
+
+
 def _what_it_did(error: BaseException) -> str:
     if type(error) is SystemExit:
         return f"called sys.exit({error.code!r})"
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    where = f" (at {frame.filename}:{frame.lineno})" if (frame := plugin_frame(error)) else ""
+    if type(error) is OsExitCalled:
+        return f"{error}{where}"
     return f"raised {type(error).__name__}{f': {error}' if str(error) else ''}{where}"
 
 
@@ -332,14 +390,15 @@ def call_plugin(what: str, fn: Callable, args: tuple, kwargs: dict, *, timeout: 
     - after `timeout` seconds (None: no limit) SIGALRM interrupts it, and a call that ran longer raises
       PluginTimeout whatever it returned or raised: a bare `except:` swallows the alarm, not the clock;
     - a signal during the call stops it (`Signals`), and one the plug-in swallowed is raised when it returns;
-    - sys.exit(), KeyboardInterrupt or another BaseException that is no Exception becomes PluginExit, its
-      message what the plug-in did (under `signals()` a real signal inside is a `Stopped`, so a
-      KeyboardInterrupt is the plug-in's own; without it one passes as it is, as Python's Ctrl-C may).
+    - sys.exit(), os._exit() (`no_os_exit`), KeyboardInterrupt or another BaseException that is no Exception
+      becomes PluginExit, its message what the plug-in did (under `signals()` a real signal inside is a
+      `Stopped`, so a KeyboardInterrupt is the plug-in's own; without it one passes as it is, as Python's
+      Ctrl-C may).
     An Exception the plug-in raises passes as it is."""
     state = _installed_signals()
     received, started, error = len(state.requests) if state else 0, time.monotonic(), None
     try:
-        with _alarm(timeout) if timeout is not None else contextlib.nullcontext():
+        with _alarm(timeout) if timeout is not None else contextlib.nullcontext(), no_os_exit():
             value = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 (each kind is decided below, none is dropped)
         error = e
@@ -375,7 +434,7 @@ def exit_process(code: int | str | None) -> NoReturn:
     print(f"exiting without waiting for {len(left)} threads left running: {', '.join(left)}", flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    _os_exit(code)
 
 
 def run(main: Callable[[Any], Any], args: Any) -> None:

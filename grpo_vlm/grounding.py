@@ -190,12 +190,14 @@ def _to_original(sample: Mapping[str, Any]) -> Callable[[Sequence[float]], tuple
 
 def predicted_boxes(completion: str, sample: Mapping[str, Any]) -> list[Box]:
     """The completion's boxes (answer text), in original pixels."""
-    return list(map(_to_original(sample), parse_boxes(answer_text(completion))))
+    # NOTE: checked again after the mapping: [0, 0, 1e308, 1e308] on a large image scales to inf
+    return [box for box in map(_to_original(sample), parse_boxes(answer_text(completion))) if _is_box(box)]
 
 
 def predicted_points(completion: str, sample: Mapping[str, Any]) -> list[Point]:
-    """The completion's points (answer text), in original pixels."""
-    return list(map(_to_original(sample), parse_points(answer_text(completion))))
+    """The completion's points (answer text), in original pixels (finite after the mapping, as boxes)."""
+    points = map(_to_original(sample), parse_points(answer_text(completion)))
+    return [p for p in points if all(math.isfinite(v) for v in p)]
 
 
 # --- geometry and matching --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import json
 import math
 import numbers
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -33,14 +34,48 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins a valid pair: what is left is lone
+
+
+def strict(value: Any, path: str, found: dict) -> Any:
+    """`value` as strict JSON can hold it: a NaN or inf float as None, a lone surrogate (no UTF-8 can hold
+    one) as U+FFFD; `found` gets {"non_finite": {path: "NaN"}, "not_text": [path]} of what was replaced."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found.setdefault("non_finite", {})[path] = json.dumps(value)  # "NaN", "Infinity", "-Infinity"
+        return None
+    if isinstance(value, str) and LONE_SURROGATE.search(value):
+        found.setdefault("not_text", []).append(path)
+        return LONE_SURROGATE.sub("\ufffd", value)
+    inner = f"{path}." if path else ""
+    if isinstance(value, dict):
+        return {strict(str(k), path, {}): strict(v, f"{inner}{k}", found) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v, f"{inner}{i}", found) for i, v in enumerate(value)]
+    return value
+
+
+def json_line(record: dict) -> str:
+    """`record` as one line of strict JSON (RFC 8259: no NaN or Infinity; text UTF-8 can hold). A value that
+    is neither is replaced (`strict`), and the record says which: `"loss": null` of a skipped step comes with
+    `"non_finite": {"loss": "NaN"}` (and the step's `skipped` reason); a line without either is unchanged."""
+    try:
+        line = json.dumps(record, ensure_ascii=False, allow_nan=False)
+        line.encode("utf-8")
+        return line
+    except ValueError:  # NaN or inf; UnicodeEncodeError: a lone surrogate
+        found: dict = {}
+        repaired = strict(record, "", found)
+        return json.dumps(repaired | found, ensure_ascii=False, allow_nan=False)
+
 
 def append_jsonl(path: str | Path, *records: dict) -> None:
-    """One line per record, in one write and one fsync (a step's rows: one per file per step), so `tail -f`
-    works and the file always ends with a whole line: a write that fails (no space left, the folder removed)
-    or a signal between two partial writes cuts the file back to its size before the append."""
+    """One line per record (`json_line`), in one write and one fsync (a step's rows: one per file per step),
+    so `tail -f` works and the file always ends with a whole line: a write that fails (no space left, the
+    folder removed) or a signal between two partial writes cuts the file back to its size before the
+    append."""
     if not records:
         return
-    line = memoryview("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8"))
+    line = memoryview("".join(json_line(r) + "\n" for r in records).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     size = os.fstat(fd).st_size
     try:
@@ -234,7 +269,7 @@ class StepLog:
 
 def run_summary(records: list[dict], seconds: float) -> dict:
     """steps, wall time and the first and last held-out accuracy of a run's metrics records."""
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
+    evals = [a for _, a in series(records, "eval/accuracy")]  # finite: run.json is strict JSON
     summary = {"steps": records[-1]["step"], "wall_time_s": round(seconds, 1)}
     if evals:
         summary.update(accuracy_start=evals[0], accuracy_end=evals[-1])
@@ -266,10 +301,14 @@ def ema(values: list[float], span: int) -> list[float]:
     return out
 
 
+MAX_DRAWN = 1e300  # NOTE: matplotlib's ticker overflows on a range such as -1e308 .. 1e308
+
+
 def series(records: list[dict], key: str) -> list[tuple[float, float]]:
-    """(step, value) of every record holding a finite number under `key`, in step order."""
+    """(step, value) of every record holding a number under `key` that a chart can place (finite, at most
+    MAX_DRAWN in size: a NaN of a skipped step, or 1e308, is left out), in step order."""
     pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), numbers.Real) and "step" in r]
-    return sorted((s, float(v)) for s, v in pts if math.isfinite(v))
+    return sorted((s, float(v)) for s, v in pts if abs(v) <= MAX_DRAWN)
 
 
 def short(value: float) -> str:

@@ -5,7 +5,8 @@ model_io.load_model hands the folder to transformers, whose failures on a hostil
 name no file: JSON nested 100,000 deep (RecursionError), a weights file cut short (SafetensorError), sizes
 in config.json that the weights do not have (a RuntimeError after a table of every mismatched tensor).
 `load_model` reads every JSON file of a local folder first, then turns those failures into a ValueError that
-names the folder, the file or the first tensor whose size differs.
+names the file (the first weights file whose header safetensors refuses) or the first tensor whose size
+differs.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 import model_io
 from grpo_vlm import files
@@ -41,6 +42,17 @@ def _size_mismatches() -> Iterator[list[str]]:
         logger.removeFilter(keep)
 
 
+def unreadable_weights(folder: Path) -> tuple[Path, SafetensorError] | None:
+    """The first *.safetensors file of `folder` whose header safetensors refuses, and why (None: none is)."""
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except SafetensorError as e:
+            return path, e
+    return None
+
+
 def resolve_dtype(name: str, device) -> torch.dtype:
     """model_io.resolve_dtype, and 'float16' for inference (evaluation, summaries; training refuses it)."""
     return torch.float16 if name == "float16" else model_io.resolve_dtype(name, device)
@@ -57,8 +69,10 @@ def load_model(name_or_path: str, *, device, dtype, attn_implementation: str | N
         try:
             model, tokenizer, image_processor = model_io.load_model(name_or_path, device=device, dtype=dtype)
         except SafetensorError as e:  # NOTE: a file cut short, emptied or not safetensors at all
+            path, why = unreadable_weights(folder) or (None, e)
+            named = f": {path}" if path is not None else ""
             raise ValueError(
-                f"{name_or_path}: a weights file is unreadable ({e}); damaged or cut short?"
+                f"{name_or_path}: a weights file is unreadable{named} ({why}); damaged or cut short?"
             ) from None
         except RuntimeError:
             if not mismatches:

@@ -2,7 +2,8 @@
 // Texts go in through textContent only, never as HTML. Images are numbers into data.images (data: URIs),
 // texts numbers into data.texts. A rollout row is [text, reward, advantage, length, truncated,
 // [each component], extras ({boxes, turns} or 0)]. After the first render the body carries data-render-ms,
-// then data-groups, data-pairs, data-images-loaded, data-images-broken, data-errors, data-settled-ms and
+// and data-missing-glyphs (characters this browser has no font for), then data-groups, data-pairs,
+// data-images-loaded, data-images-broken, data-errors, data-settled-ms and
 // data-ready="1" once every image has loaded or failed: what a headless browser's test reads.
 "use strict";
 
@@ -13,6 +14,7 @@ const COMPONENTS = data.rollouts.components;
 const ACCURACY = COMPONENTS.indexOf(data.accuracy); // -1: no accuracy component, nothing is "right"
 const PALETTE = ["#1f77b4", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#ff7f0e"];
 const PAGE = 60; // before/after cards shown at a time: a 2,000-sample held-out set stays quick
+const GROUPS_PAGE = 64; // group cards of a step shown at a time (the default run's step has 16)
 
 // --- small helpers ----------------------------------------------------------------------------------------
 function el(tag, attrs, ...children) {
@@ -20,6 +22,7 @@ function el(tag, attrs, ...children) {
   for (const [key, value] of Object.entries(attrs || {})) {
     if (value === null || value === undefined || value === false) continue;
     if (key === "class") node.className = value;
+    else if (key === "style") node.style.cssText = value; // through the CSSOM: the policy allows no style attribute
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? "" : value);
   }
@@ -162,7 +165,7 @@ function runSection() {
 
 // --- curves -----------------------------------------------------------------------------------------------
 function curvesSection() {
-  const { main, grid, grid_keys: keys, tables } = data.charts;
+  const { main, grid, grid_keys: keys, tables, rest } = data.charts;
   if (!main) return section("curves", "Curves", note("No metrics logged yet."));
   const more = [];
   if (grid) {
@@ -180,11 +183,18 @@ function curvesSection() {
       }));
     more.push(el("details", {}, el("summary", {}, `${names.length} ${names.length > 1 ? "metrics" : "metric"} with fewer than 10 values, as a table: ${names.join(", ")}`), table));
   }
+  if (rest.length) { // the metrics past the panels: one line each
+    const table = el("table", { class: "settings", id: "metric-rest" },
+      el("tr", {}, ["metric", "values", "lowest", "highest", "last step", "last value"].map(h => el("th", {}, h))),
+      rest.map(([k, n, low, high, step, last]) => el("tr", {}, el("td", {}, k),
+        [n, fmt(low, 4), fmt(high, 4), step, fmt(last, 4)].map(v => el("td", { class: "num" }, v)))));
+    more.push(el("details", {}, el("summary", {}, `${rest.length} more ${rest.length > 1 ? "metrics" : "metric"}, not drawn: their range and last value`), table));
+  }
   return section("curves", "Curves", el("img", { src: main, alt: "reward, held-out accuracy and KL", class: "main-chart" }), more);
 }
 
 // --- rollouts ---------------------------------------------------------------------------------------------
-const view = { step: 0, groups: "all", rows: "all", component: "", query: "" };
+const view = { step: 0, groups: "all", rows: "all", component: "", query: "", limit: GROUPS_PAGE };
 const STEPS = data.rollouts.steps;
 
 function rowPasses(row) {
@@ -268,19 +278,23 @@ function renderStep() {
   const step = STEPS[view.step];
   box.replaceChildren();
   if (!step) return;
-  let shown = 0;
-  for (const group of step.groups) {
-    if (!groupPasses(group) || !group.rows.some(rowPasses)) continue;
-    box.append(groupCard(step.step, group));
-    shown += 1;
+  // NOTE: a step of B = 256 prompts is 256 cards and their images: drawn GROUPS_PAGE at a time
+  const passing = step.groups.filter(group => groupPasses(group) && group.rows.some(rowPasses));
+  const shown = passing.slice(0, view.limit);
+  box.append(...shown.map(group => groupCard(step.step, group)));
+  if (passing.length > shown.length) {
+    const more = Math.min(GROUPS_PAGE, passing.length - shown.length);
+    box.append(el("button", { onclick: () => { view.limit += GROUPS_PAGE; renderStep(); } }, `show ${more} more of ${passing.length - shown.length}`));
   }
   document.getElementById("step-select").value = view.step;
-  document.getElementById("shown").textContent = `step ${step.step}: ${shown} of ${step.groups.length} groups shown`;
-  if (!shown) box.append(note("No group of this step passes the filters."));
+  const of = passing.length < step.groups.length ? ` (${passing.length} pass the filters)` : "";
+  document.getElementById("shown").textContent = `step ${step.step}: ${shown.length} of ${step.groups.length} groups shown${of}`;
+  if (!shown.length) box.append(note("No group of this step passes the filters."));
 }
 
 function goTo(index) {
   view.step = Math.max(0, Math.min(STEPS.length - 1, index));
+  view.limit = GROUPS_PAGE;
   renderStep();
 }
 
@@ -308,7 +322,9 @@ function search(query) {
 function reveal(stepIndex, groupNumber) {
   Object.assign(view, { groups: "all", rows: "all", component: "" });
   for (const id of ["group-filter", "row-filter", "component-filter"]) document.getElementById(id).selectedIndex = 0;
-  goTo(stepIndex);
+  view.step = stepIndex;
+  view.limit = STEPS[stepIndex].groups.findIndex(g => g.group === groupNumber) + GROUPS_PAGE;
+  renderStep();
   const card = document.getElementById(`g-${STEPS[stepIndex].step}-${groupNumber}`);
   if (card) {
     card.scrollIntoView({ block: "start" });
@@ -411,13 +427,39 @@ function problemsView() {
     el("ul", {}, data.problems.map(p => el("li", {}, p))));
 }
 
+// NOTE: a browser without a font for a script draws each of its characters as the same empty box (Debian's
+// Chromium without fonts-noto-cjk: every 通过 / 不通过 / 理由). The characters past U+2E7F of the first texts,
+// drawn on a canvas in the page's font, are compared with a code point no font has (U+10FFFD).
+function missingGlyphs() {
+  const chars = new Set();
+  for (const t of TEXTS) {
+    for (const c of t) if (c.codePointAt(0) > 0x2e7f && chars.size < 200) chars.add(c);
+    if (chars.size >= 200) break;
+  }
+  if (!chars.size) return [];
+  const canvas = el("canvas", { width: 32, height: 32 });
+  const ctx = canvas.getContext("2d", { willReadFrequently: true });
+  ctx.font = `24px ${getComputedStyle(document.body).fontFamily}`;
+  const draw = c => { ctx.clearRect(0, 0, 32, 32); ctx.fillText(c, 2, 26); return ctx.getImageData(0, 0, 32, 32).data.join(); };
+  const none = draw("\u{10FFFD}");
+  return [...chars].filter(c => draw(c) === none);
+}
+
+function fontsNote(missing) {
+  if (!missing.length) return null;
+  return el("p", { class: "problems", id: "missing-glyphs" }, `This browser has no font for ${missing.length} characters of this report (${missing.slice(0, 12).join(" ")}${missing.length > 12 ? " …" : ""}): they show as empty boxes. Install a font that has them (on Debian or Ubuntu for Chinese, Japanese and Korean: apt-get install fonts-noto-cjk) and reload.`);
+}
+
 function render() {
   const run = data.run;
   const status = run.finished === true ? "finished" : `step ${run.last_step ?? "–"} of ${run.steps ?? "?"}`;
+  const missing = missingGlyphs();
+  document.body.dataset.missingGlyphs = missing.length;
   document.getElementById("report").replaceChildren(
     el("header", { class: "top" }, el("h1", {}, `GRPO run ${run.folder}`), el("span", { class: "status" }, status),
       el("nav", {}, ["run", "curves", "rollouts", "before-after"].map(id => el("a", { href: `#${id}` }, id.replace("-", " "))))),
-    ...[problemsView(), runSection(), curvesSection(), rolloutsSection(), evalSection()].filter(Boolean));
+    el("p", { class: "private" }, "This file holds every start's command line, absolute paths, the prompts, targets and completions, and thumbnails of the images: share it as you would share the data."),
+    ...[fontsNote(missing), problemsView(), runSection(), curvesSection(), rolloutsSection(), evalSection()].filter(Boolean));
   if (STEPS.length) goTo(STEPS.length - 1); // the latest step first
   // NOTE: the browser looked for report.html#rollouts before the sections existed
   if (location.hash) document.getElementById(location.hash.slice(1))?.scrollIntoView();

@@ -8,15 +8,14 @@ caller). `score` is rewards.score with each reward `bounded`: called through cli
 after the call), and a call that took longer is a timeout whatever it returned (a bare `except:` around a
 slow call swallows the alarm, not the clock). A failure in the user's code carries `user_message`, the one
 line cli.run prints without a traceback (the user's code failed, not ours): an exception, sys.exit(),
-KeyboardInterrupt or other BaseException a reward raised, with its file:line; a value that is no number
-(rewards.RewardValueError); a call over the limit.
+os._exit() (cli.no_os_exit), KeyboardInterrupt or other BaseException a reward raised, with its file:line;
+a value that is no number (rewards.RewardValueError); a call over the limit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -148,9 +147,10 @@ def _name_the_failure(error: Exception, where: str) -> None:
         return
     exited = error.__cause__ is not None and not isinstance(error.__cause__, Exception)  # `bounded` made it
     cause = error.__cause__ if exited else error  # the SystemExit the plug-in raised, or what it raised
-    frame = traceback.extract_tb(cause.__traceback__)[-1]  # where in the user's function it failed
+    frame = cli.plugin_frame(cause)  # where in the user's function it failed (not cli's os._exit guard)
     said = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
-    error.user_message = f"{where}: {said} (at {frame.filename}:{frame.lineno})"
+    at = f" (at {frame.filename}:{frame.lineno})" if frame is not None else ""
+    error.user_message = f"{where}: {said}{at}"
 
 
 def score(

@@ -634,12 +634,21 @@ FP16_REFUSED = (
 
 
 MAX_SEED = 10**9
+# Memory of one built-in sample as tasks.make_task draws it, its PIL images included (measured, rounded up):
+# all of them are made before the first step, so --train-size is checked against the machine's memory.
+TASK_SAMPLE_BYTES = {
+    "shapes": 16 << 10,
+    "inspection": 40 << 10,
+    "summaries": 2 << 10,
+    "inspection-zoom": 256 << 10,
+}
 
 
 def check_args(args: Args) -> None:
     """Every flag's range and every file it names, before anything is loaded or written (cli.UsageError):
     each settings group checks its own, then the trainer's flags and the rules that span groups."""
     cli.check_utf8(args)
+    cli.check_finite(args)
     with cli.user_errors():
         args.samples.check()
         with cli.fields_as_flags(args.sampling, args.adv, args.loss):  # grpo.py's settings name fields
@@ -654,9 +663,11 @@ def check_args(args: Args) -> None:
         ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
         ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
         ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
-        ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
+        # NOTE: AdamW moves each weight by about lr a step: beyond 1 the adapters' outputs overflow at once
+        ("--lr", 0 < a.lr <= 1, "must be in (0, 1] (e.g. 2e-5 on real models)"),
         ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
-        ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
+        # AdamW scales each weight by 1 - lr * weight_decay a step: past 1 it flips its sign, past 2 grows it
+        ("--weight-decay", 0 <= a.weight_decay * a.lr <= 1, "must be >= 0 with --lr x --weight-decay <= 1"),
         ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
         ("--max-bad-steps", a.max_bad_steps >= 0, "must be >= 0"),
         ("--log-every", a.log_every >= 1, "must be >= 1"),
@@ -670,6 +681,27 @@ def check_args(args: Args) -> None:
     ]
     for flag, ok, message in ranges:
         cli.check(ok, flag, f"{message}, got {getattr(a, flag[2:].replace('-', '_'))}")
+    bounds = [
+        ("--clip-eps-high", a.loss.clip_eps_high),
+        ("--delta", a.loss.delta),
+        ("--adv-clip", a.adv.adv_clip),
+    ]
+    for flag, value in [*bounds, *(("--reward-weight", w) for w in a.rewards.reward_weight)]:
+        limit = cli.FLOAT32_FLAG_MAX  # NOTE: the step clips and weighs in float32; beyond, it raises mid-step
+        cli.check(
+            value is None or abs(value) <= limit, flag, f"must be at most {limit:g} in size, got {value}"
+        )
+    if not a.samples.data:  # the built-in task's samples, every one made in memory before the first step
+        count = a.samples.train_size + a.samples.eval_size
+        need, budget = count * TASK_SAMPLE_BYTES[a.samples.task], memory.device_budget(torch.device("cpu"))
+        flag = "--train-size" if a.samples.train_size >= a.samples.eval_size else "--eval-size"
+        made = f"{a.samples.train_size:,} training and {a.samples.eval_size:,} held-out samples"
+        too_many = f"{made} of --task {a.samples.task} would hold {need / memory.GIB:,.1f} GiB in memory"
+        cli.check(
+            need <= budget,
+            flag,
+            f"{too_many}, more than 80% of this machine's ({budget / memory.GIB:,.1f} GiB)",
+        )
     cli.check(not (a.resume and a.overwrite), "--overwrite", "cannot be combined with --resume")
     temperature = a.sampling.temperature
     cli.check(math.isfinite(temperature), "--temperature", f"must be a finite number, got {temperature}")

@@ -30,7 +30,8 @@ script's output): it is refused, left as it is, unless --overwrite replaces it.
 Summary: printed and written atomically to `<output stem>.summary.json`, computed from ALL lines of the
 output file (so a resumed run's summary covers every sample): accuracy (share of correct completions),
 pass@k, mean total reward and mean of each component, format-valid fraction (share of completions with
-format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
+format reward 1; only when samples have a `label`), mean completion length, fraction truncated. A mean
+leaves out a value that is no finite number (NaN or Infinity an older version wrote: null when none is left).
 
 --image-ablation blank|shuffle evaluates the same samples again with every image replaced by a grey one of
 the same size, or with the images permuted across samples (dataset.ablate_images), and reports those columns
@@ -58,6 +59,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import numbers
 import os
 import signal
 import sys
@@ -276,9 +279,11 @@ def score_sample(sample: dict, completions: dict, reward_fns, accuracy_name: str
     return record
 
 
-def _mean(values) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values)
+def _mean(values) -> float | None:
+    """The mean of the finite numbers among `values` (a line an older version wrote may hold NaN, Infinity
+    or null: left out), None when there is none."""
+    values = [float(v) for v in values if isinstance(v, numbers.Real) and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
 
 
 def summarise(records: list[dict]) -> dict:
@@ -309,11 +314,12 @@ def print_table(columns: dict[str, dict]) -> None:
     width = max(12, *(len(name) + 2 for name in columns))
     print(f"{'':24s}" + "".join(f"{name:>{width}s}" for name in columns))
     for key in keys:
-        cells = [summary.get(key, float("nan")) for summary in columns.values()]
-        print(
-            f"{key:24s}"
-            + "".join(f"{c:{width}d}" if isinstance(c, int) else f"{c:{width}.4f}" for c in cells)
-        )
+        cells = [summary.get(key) for summary in columns.values()]
+        shown = [
+            f"{c:{width}d}" if isinstance(c, int) else f"{c:{width}.4f}" if c is not None else "–"
+            for c in cells
+        ]
+        print(f"{key:24s}" + "".join(f"{c:>{width}s}" for c in shown))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ Choices:
 - G is --group-size, else the most common group size (ties: the larger).
 - Bad lines (blank lines are skipped, not bad): not UTF-8, invalid JSON (nested too deeply, an integer of
   more than 4,300 digits: the file is read line by line), not an object, missing prompt_id, unknown
-  prompt_id, `text` not a string, and a reward raising ValueError/KeyError on the line (e.g. ground truth
-  missing from its prompt). They never stop the other lines from being scored.
+  prompt_id, `text` not a string, a `step` that is neither an integer nor a string (it keys the group), and
+  a reward raising ValueError/KeyError on the line (e.g. ground truth missing from its prompt). They never
+  stop the other lines from being scored. NaN or Infinity in a line (another tool wrote them) is read; the
+  output is strict JSON (logs.json_line: such a value as null, named in the line's `non_finite`).
 - A malformed prompts file (invalid JSON, missing or repeated prompt_id) is an error: it is the ground truth.
 - Cache: every reward value is stored in an sqlite file (`--cache`, default `reward_cache.sqlite` next to
   the output) under a hash of (reward name, prompt_id, text, the prompt record), so a rerun calls no reward
@@ -75,7 +77,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpo
 import rewards
-from grpo_vlm import cli, scoring
+from grpo_vlm import cli, logs, scoring
 from scripts import outputs
 
 PRODUCER = (
@@ -177,6 +179,9 @@ def _problem(record, prompts: dict[str, dict]) -> str | None:
         return f"unknown prompt_id {record['prompt_id']!r}"
     if not isinstance(record.get("text"), str):
         return "text missing or not a string"
+    step = record.get("step")  # NOTE: part of the group's key: a list or NaN would group nothing
+    if step is not None and type(step) is not int and not isinstance(step, str):
+        return f"step must be an integer or a string, got {type(step).__name__} {str(step)[:40]}"
     return None
 
 
@@ -408,7 +413,7 @@ def score(args: Args, output: Path, report_path: Path, cache_path: Path) -> dict
     for b in report["bad_lines"]:
         print(f"{args.rollouts}:{b['line']}: {b['reason']}", file=sys.stderr)
     check_mostly_scored(report, args.rollouts)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    text = "".join(logs.json_line(r) + "\n" for r in records)  # strict JSON: a NaN in "meta" as null
     # The report records the output it goes with: a rerun replaces only that file (check_own_outputs).
     report.update(script=PRODUCER, output_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
     with cli.writing(output):

@@ -231,13 +231,16 @@ def test_a_reward_that_raises_a_base_exception_stops_the_run_with_2_naming_it(tm
     assert checkpoint_steps(out) == ["checkpoint-000001"]
 
 
-def test_a_reward_that_ends_the_process_with_os_exit_0_leaves_run_json_unfinished(tmp_path):
-    # NOTE: os._exit cannot be caught in-process: the exit status is the plug-in's (0); run.json tells.
+def test_a_reward_that_calls_os_exit_0_stops_the_run_with_2_naming_it_and_run_json_unfinished(tmp_path):
+    # os._exit raises while a plug-in runs (cli.no_os_exit): the plug-in's failure, never a success
     out = tmp_path / "run"
     spec = plugin(tmp_path, out, "    if in_step_2():\n        os._exit(0)\n    return 1.0\n", "judge")
     flags = [*REWARDS, *TINY, "--reward", "label", spec, "--save-every", "1", "--output-dir", str(out)]
     code, stdout, stderr, _ = train(*flags)
-    assert code == 0 and "done:" not in stdout, stderr[-2000:]
+    assert code == 2 and "done:" not in stdout, stderr[-2000:]
+    line = one_error_line(stderr)
+    assert line.startswith(f"error: raised by reward {spec!r} on completion 0 (sample id ")
+    assert f"OsExitCalled: called os._exit(0) (at {tmp_path / 'plug.py'}:" in line
     assert json.loads((out / "run.json").read_text())["finished"] is False
     assert checkpoint_steps(out) == ["checkpoint-000001"]
     finished = tmp_path / "finished"

@@ -93,6 +93,8 @@ def problems(body: dict, console: list[str], *, pairs: bool) -> list[str]:
         found.append("no image loaded")
     if int(body.get("data-images-broken", 0)):
         found.append(f"{body['data-images-broken']} images broken")
+    if int(body.get("data-missing-glyphs", 0)):  # e.g. 通过 drawn as empty boxes: no CJK font installed
+        found.append(f"{body['data-missing-glyphs']} characters drawn as missing glyphs (no font has them)")
     return found
 
 
@@ -117,15 +119,22 @@ def test_a_report_with_every_field_renders_its_images_in_chromium(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["image", "script"])
-def test_the_browser_check_fails_on_a_broken_image_or_script(tmp_path, damage):
+def test_the_browser_check_fails_on_a_broken_image_or_script(tmp_path, damage, monkeypatch):
     chromium()
+    if (
+        damage == "script"
+    ):  # a syntax error in the page's script (the policy allows it: its hash is the page's)
+        assets = tmp_path / "assets"
+        assets.mkdir()
+        shutil.copy(report.ASSETS / "report.css", assets)
+        script = (report.ASSETS / "report.js").read_text()
+        (assets / "report.js").write_text(script.replace("function render() {", "function render() {{", 1))
+        monkeypatch.setattr(report, "ASSETS", assets)
     page = report.write_report(write_run_folder(tmp_path / "run"), tmp_path / f"broken-{damage}.html")
     text = page.read_text()
     if damage == "image":  # the first embedded JPEG, cut to bytes that decode to no picture
         broken = "data:image/jpeg;base64,/9j/AAAA"
         text = re.sub(r"data:image/jpeg;base64,[A-Za-z0-9+/=]+", broken, text, count=1)
-    else:  # a syntax error in the page's script
-        text = text.replace("function render() {", "function render() {{", 1)
     page.write_text(text)
     body, console = open_report(page, tmp_path)
     found = problems(body, console, pairs=True)
@@ -134,3 +143,27 @@ def test_the_browser_check_fails_on_a_broken_image_or_script(tmp_path, damage):
     else:
         assert "the page's script did not finish its first render" in found
         assert "1 script errors" in found and any("SyntaxError" in line for line in found)
+
+
+def test_a_script_that_is_not_the_pages_own_does_not_run(tmp_path):
+    """Escaping failed, say, and a completion's <script> reached the page as markup: the policy (the SHA-256
+    of the page's own two scripts) blocks it, and the page counts the violation as an error."""
+    chromium()
+    page = report.write_report(write_run_folder(tmp_path / "run"), tmp_path / "injected.html")
+    injected = '<script>document.title = "INJECTED"; document.body.dataset.injected = "1";</script>'
+    page.write_text(page.read_text().replace("<main id=report>", injected + "<main id=report>", 1))
+    body, console = open_report(page, tmp_path)
+    assert "data-injected" not in body
+    assert int(body["data-errors"]) == 1 and any("Content Security Policy" in line for line in console)
+    assert int(body["data-groups"]) > 0  # the page's own script ran
+
+
+def test_the_glyph_check_finds_characters_no_font_has(tmp_path):
+    """The check the verdicts rely on can fail: a private-use character (U+E000) has a glyph in no font."""
+    chromium()
+    folder = write_run_folder(tmp_path / "run", steps=1)
+    (folder / "rollouts.jsonl").write_text(
+        (folder / "rollouts.jsonl").read_text().replace("answer 1/0/0", "\ue000 1/0/0")
+    )
+    body, _ = open_report(report.write_report(folder, tmp_path / "glyphs.html"), tmp_path)
+    assert int(body["data-missing-glyphs"]) >= 1 and int(body["data-errors"]) == 0
