@@ -328,8 +328,12 @@ def host_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
     page-locked when the run is on CUDA, so that `to_device`'s copy runs without the host waiting for it."""
     # Large files decoded once, shrunk to the budget; every prompt's length was checked when the data loaded.
     batch = dataset.prepare_prompts(samples, run.tokenizer, run.image_processor, device="cpu")
-    if torch.device(run.device).type != "cuda":
-        return batch
+    return pinned(batch) if torch.device(run.device).type == "cuda" else batch
+
+
+def pinned(batch: data.PromptBatch) -> data.PromptBatch:
+    """`batch` in page-locked host memory, allocated (cudaHostAlloc) on `prompts_ahead`'s thread while the
+    step before it samples, perhaps capturing its decoding step (`speedups.capture_cuda_graph`)."""
     return data.PromptBatch({k: v.pin_memory() for k, v in batch.inputs.items()}, batch.images_per_row)
 
 
@@ -735,6 +739,8 @@ def fit_memory(
         group_size=args.group_size,
         num_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),  # adapters aside
         tool_image_tokens=tool_image_tokens,
+        cuda_graph=speed.cuda_graph and device.type == "cuda",  # the decoding step kept between calls
+        device_type=device.type,
     )
     budget = memory.device_budget(device) if budget is None else budget
     size = None if auto else speed.micro_batch_size  # None: memory.fit chooses
