@@ -222,6 +222,7 @@ class Rollout:
     token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
     tool_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # tools/calls, tools/errors/..
     turns: list[list[dict]] | None = None  # each row's turns (multiturn.py), for rollouts.jsonl
+    thumbs: concurrent.futures.Future | None = None  # the logged rows' thumbnails.keep, made aside
 
     @property
     def inputs(self) -> dict[str, torch.Tensor]:
@@ -245,6 +246,7 @@ def train_step(
     ro = roll(run, prompts, args, batch=batch)  # sample, mask, rewards, advantages
     # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
     ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
+    thumbnails_aside(step, ro, run, args)  # the logged rows' thumbnails, made while the step goes on
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
     t1 = clock(run.device)
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
@@ -278,28 +280,47 @@ def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Eve
     return start.elapsed_time(end) / 1000  # milliseconds
 
 
+def logs_completions(step: int, args: Args) -> bool:
+    return bool(args.log_completions_every) and step % args.log_completions_every == 0
+
+
+def thumbnails_aside(step: int, ro: Rollout, run: Run, args: Args) -> None:
+    """On a step that logs its rows: their images' thumbnails (thumbnails.keep_aside), made on another thread
+    while the step's log-prob passes and update run; `completion_rows` takes them (ro.thumbs)."""
+    if logs_completions(step, args):
+        ro.thumbs = thumbnails.keep_aside(ro.samples, run.image_processor, run.kept, ro.turns)
+
+
 def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> tuple[list[dict], dict[str, bytes]]:
     """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows, and the
-    thumbnails they name that no rank handed to the writer before (file name -> JPEG)."""
-    if not args.log_completions_every or step % args.log_completions_every:
+    thumbnails they name that no rank handed to the writer before (file name -> JPEG): on the writing rank;
+    the others return nothing."""
+    if not logs_completions(step, args):
         return [], {}
     components = {name: values.tolist() for name, values in ro.components.items()}
     numbers = (ro.reward.tolist(), ro.adv.tolist(), ro.mask.sum(dim=1).tolist(), ro.truncated.tolist())
-    extras, turns, made = logged_fields(run, ro.samples, ro.texts, ro.turns)
+    extras, turns, made = logged_fields(run, ro.samples, ro.texts, ro.turns, thumbs=ro.thumbs)
     rows = logs.rollout_records(
         step, ro.samples, ro.texts, components, *numbers, args.group_size, turns, extras=extras
     )
-    # every rank's rows and files (one process: its own); only the writing rank writes them
-    return distributed.gather_lists(rows), merged(distributed.gather_lists([made]))
+    # every rank's rows and files, to the writing rank only, in one collective (one process: its own)
+    gathered = distributed.gather_to_writer([(rows, made)])
+    return [row for rows, _ in gathered for row in rows], merged([made for _, made in gathered])
 
 
 def logged_fields(
-    run: Run, samples: list[dict], texts: list[str], turns: list[list[dict]] | None = None
+    run: Run,
+    samples: list[dict],
+    texts: list[str],
+    turns: list[list[dict]] | None = None,
+    thumbs: concurrent.futures.Future | None = None,
 ) -> tuple[list[dict], list[list[dict]] | None, dict[str, bytes]]:
     """What a logged row shows besides its scores: each row's prompt, target, "thumbs" (its images kept:
-    thumbnails.keep) and, for a sample with boxes, the completion's boxes in original pixels; the rows' turns
-    with their returned crops' thumbnails; the new thumbnail files."""
-    thumbs, turns, made = thumbnails.keep(samples, run.image_processor, run.kept, turns)
+    thumbnails.keep, on its thread: `thumbs` if started already) and, for a sample with boxes, the
+    completion's boxes in original pixels; the rows' turns with their returned crops' thumbnails; the new
+    thumbnail files."""
+    aside = thumbs or thumbnails.keep_aside(samples, run.image_processor, run.kept, turns)
+    thumbs, turns, made = aside.result()
     extras = []
     for sample, text, row_thumbs in zip(samples, texts, thumbs):
         fields = {"prompt": dataset.prompt_text(sample), "target": dataset.target_fields(sample)}
@@ -1010,6 +1031,9 @@ def held_out_sums(
     greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
     for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
         chunk = samples[i : i + EVAL_BATCH_SIZE]
+        thumbs = None  # the records' thumbnails, made aside while the batch decodes (with tools: after it)
+        if records and run.tools is None:
+            thumbs = thumbnails.keep_aside(chunk, run.image_processor, run.kept)
         batch = prompt_batch(run, chunk, args)
         chunk = dataset.with_grounding(chunk, run.image_processor, run.box_frame)
         turns = None
@@ -1028,7 +1052,9 @@ def held_out_sums(
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
         if records:
-            new, files = eval_records(run, i, chunk, texts, scores, lengths, truncated.tolist(), turns)
+            new, files = eval_records(
+                run, i, chunk, texts, scores, lengths, truncated.tolist(), turns, thumbs=thumbs
+            )
             logged, made = logged + new, made | files
     return (sum(correct), sum(totals), calls), logged, made
 
@@ -1042,11 +1068,13 @@ def eval_records(
     lengths: list[int],
     truncated: list[bool],
     turns: list[list[dict]] | None,
+    thumbs: concurrent.futures.Future | None = None,
 ) -> tuple[list[dict], dict[str, bytes]]:
     """eval_samples.jsonl's records (without "step") of held-out samples first, first + 1, ... and their
-    greedy completions (`turns`: None without tools), and the new thumbnail files they name. "correct" is
+    greedy completions (`turns`: None without tools), and the new thumbnail files they name (`thumbs`: their
+    thumbnails.keep if started already). "correct" is
     the accuracy reward >= 1, as eval/accuracy counts it."""
-    extras, turns, made = logged_fields(run, samples, texts, turns)
+    extras, turns, made = logged_fields(run, samples, texts, turns, thumbs)
     records = []
     for k, (sample, text, fields) in enumerate(zip(samples, texts, extras)):
         images = [logs.image_reference(image) for image in sample.get("images") or []]
