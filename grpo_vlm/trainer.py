@@ -414,11 +414,28 @@ def rollout(run: Run, prompts: list[dict], args: Args, batch: data.PromptBatch |
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
     adv = advantages(reward, components, run, args)  # (N,)
-    rows = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
+    rows = chunk_rows(batch, G, recording)  # the N rows the completions belong to
     chunks = speedups.row_chunks(model, rows, completion_ids, recording, run.speed)  # rows' pixels: if read
     return Rollout(
         batch, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks, recording
     )
+
+
+def chunk_rows(batch: data.PromptBatch, G: int, recording: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The N = B*G rows for `speedups.row_chunks`: each prompt's inputs and images G times (data.repeat_rows).
+    With a recorded trunk the chunks read ids, masks and grids only, so the rows' pixels are not copied (1.3
+    GiB of fp32 at 3B, B = 8, G = 8): `pixel_values` is then a stand-in of their shape that holds no memory.
+    NOTE: NaN throughout, so a pass that read it would show it; none does (trunk_from_recording drops it)."""
+    if recording is None or "pixel_values" not in batch.inputs:
+        return data.repeat_rows(batch, G).inputs
+    images = ("pixel_values", "image_grid_thw")
+    text = data.PromptBatch({k: v for k, v in batch.inputs.items() if k not in images}, batch.images_per_row)
+    rows = data.repeat_rows(text, G).inputs
+    grids = batch.inputs["image_grid_thw"].split(batch.images_per_row)  # (images of prompt b, 3) each
+    rows["image_grid_thw"] = torch.cat([grid for grid in grids for _ in range(G)])
+    pixels = batch.inputs["pixel_values"]  # (patches, D) of the B prompts
+    rows["pixel_values"] = pixels.new_full((), float("nan")).expand(G * pixels.shape[0], pixels.shape[1])
+    return rows
 
 
 @torch.no_grad()
