@@ -117,6 +117,16 @@ def gather_lists(items: list) -> list:
     return [item for rank_items in gathered for item in rank_items]
 
 
+def gather_to_writer(items: list) -> list:
+    """Every rank's list, concatenated in rank order, on rank 0, the one that writes files; the others get
+    []: what only the writer needs (rollouts.jsonl's rows, their thumbnails) is not sent R times."""
+    if not initialized():
+        return list(items)
+    gathered: list[list] | None = [[] for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather_object(items, gathered, dst=0)
+    return [item for rank_items in gathered for item in rank_items] if gathered is not None else []
+
+
 def gather_tensor(values: torch.Tensor) -> torch.Tensor:
     """Every rank's 1-D `values`, concatenated in rank order, on every rank."""
     if not initialized():

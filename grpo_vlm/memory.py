@@ -2,15 +2,18 @@
 
 `estimate` adds up, per phase of trainer.py's step, the bytes alive together:
 - sampling: the base weights, the pre-allocated KV cache of N rows x (P + T) positions in all L blocks, the
-  recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated, and the LM head's fp32 weight;
+  recorded trunk (N, P + T - 1, H), twice while its pieces are concatenated, and the LM head's fp32 weight
+  where the device makes a copy of it (the CPU; CUDA multiplies a bf16 head into fp32 as it is);
+- with --cuda-graph (`cuda_graph`): the decoding step kept between calls (`decode_graph_bytes`: its
+  StaticCache of N x (P + T) positions, its mask and the graph's memory), held through every later phase;
 - trunk: the recording kept through the update, each chunk's 4D mask and (m)RoPE tables, the pixels (the B
   prompts' once with trunk reuse; the N rows' on the plain path, whose every pass reads them);
 - logprob_pass: a no-grad pass (reference, old policy): one adapted block's intermediates for a micro-batch,
-  and the fp32 LM head run row by row (`speedups.logprobs_row_by_row`: an fp32 copy of its weight and a few
-  (T, V) fp32 tensors, never an (N, T, V) one);
+  and the fp32 LM head run row by row (`speedups.logprobs_row_by_row`: a few (T, V) fp32 tensors, never an
+  (N, T, V) one, and the head's fp32 copy where the device makes one);
 - update: what the K adapted blocks save for the backward of one micro-batch (`activations`: counted below
-  from their ops; with checkpointing only each block's input, plus one block recomputed), then the larger of
-  the LM head's and a block's backward working set.
+  from their ops, the attention's additive mask included; with checkpointing only each block's input, plus
+  one block recomputed), then the larger of the LM head's and a block's backward working set.
 - with tools (`tool_image_tokens` > 0, multiturn.py): sampling is generate's, turn by turn, whatever
   --shared-prefill says: its cache of N rows x (P + T) grown by concatenation, each turn's prefill over the
   whole sequence so far, the N rows' fp32 pixels (the prompt's images and the tools', G copies of each
@@ -99,10 +102,14 @@ def estimate(
     num_params: int | None = None,
     image_tokens: int | None = None,
     tool_image_tokens: int = 0,
+    cuda_graph: bool = False,
+    device_type: str = "cuda",
 ) -> dict[str, int]:
     """Bytes per phase of one step (see the module docstring) and their `peak`; `num_params` defaults to
     `parameter_count(config)`, `image_tokens` (visual tokens per prompt) to all P with a vision tower;
-    `tool_image_tokens`: the visual tokens a row's tool turns may add (0: no tools)."""
+    `tool_image_tokens`: the visual tokens a row's tool turns may add (0: no tools); `cuda_graph`: the
+    decoding step kept as a CUDA graph; `device_type`: where the step runs ("cuda": a 16-bit head is
+    multiplied into fp32 without a copy; elsewhere an fp32 copy of it is made per sampling call and pass)."""
     text = config.get_text_config()
     H, I, L, V = text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.vocab_size
     heads, d, f32 = text.num_attention_heads, dtype_bytes, 4
@@ -116,10 +123,14 @@ def estimate(
     # fp32: weights, gradients, AdamW's two moments.
     lora = K * r * (2 * H + 2 * H + 2 * (H + kv) + 3 * (H + I)) * lora_modules // 7 * f32 * 4
     recording = N * S * H * d if trunk_reuse else 0
-    kv_cache = N * (P + T) * L * 2 * kv * d + (N // group_size) * P * L * 2 * kv * d  # + the prompts' own
+    rows_cache = N * (P + T) * L * 2 * kv * d
+    kv_cache = rows_cache + (N // group_size) * P * L * 2 * kv * d  # + the prompts' own
     draw = 3 * N * V * f32  # the last logits, their softmax, the sampler's scores
-    weight32 = V * H * f32 if d < f32 else 0  # the LM head's weight in fp32, once per sampling call or pass
-    sampling = kv_cache + 2 * recording + draw + weight32  # the sampler draws from the fp32 head
+    # The LM head's weight in fp32, once per sampling call or pass; none for speedups' head on CUDA
+    # (`speedups.head_weight`: cuBLAS multiplies a bf16 head into fp32), one for grpo.py's.
+    weight32 = V * H * f32 if d < f32 else 0
+    cuda16 = device_type == "cuda" and d < f32
+    sampling = kv_cache + 2 * recording + draw + (0 if cuda16 else weight32)  # drawn from the fp32 head
     if not shared_prefill:  # generate: all N rows prefilled, a cache grown by concatenation (old and new)
         sampling = 2 * kv_cache + N * P * 3 * I * d + draw
     if tool_image_tokens:  # generate turn by turn: each turn prefills every row's whole sequence, images too
@@ -137,8 +148,10 @@ def estimate(
     # Saved per token by one adapted block: the normed input (q/k/v's LoRA A keep it), q and k after RoPE and
     # v, both repeated to all heads, SDPA's output and its transposed copy (o_proj's input), cos and sin,
     # the log-sum-exp; the second norm's fp32 copy and output; gate, silu(gate), up and their product (down's
-    # input); each LoRA A's (r) output. Blocks after the first also keep their input norm's fp32 copy.
-    block = d * (7 * H + 2 * hd + 4 * I + lora_modules * r) + f32 * (heads + H)
+    # input); each LoRA A's (r) output; SDPA's additive mask, (n, 1, S, S) in the activations' dtype, made
+    # from the boolean one by each block's call (the memory-efficient kernel takes and saves a float bias).
+    # Blocks after the first also keep their input norm's fp32 copy.
+    block = d * (7 * H + 2 * hd + 4 * I + lora_modules * r + S) + f32 * (heads + H)
     later = f32 * H  # the first block's input comes from the trunk, without grad: its norm keeps nothing
     head_saved = n * T * (f32 * H + d * H + f32)  # final norm (fp32 copy, output), the LM head's lse
     if gradient_checkpointing:  # each block's input, and one block recomputed in the backward
@@ -149,21 +162,37 @@ def estimate(
     # grpo.completion_logprobs makes all n rows' at once, and keeps two such tensors for the backward.
     logits = 3 * (1 if trunk_reuse else n) * T * V * f32
     activations += 0 if trunk_reuse else 2 * n * T * V * f32
-    head_pass = weight32 + logits + n * T * H * d
+    ours = cuda16 and trunk_reuse  # speedups' row-by-row head: no copy; dz in two bf16 halves backward
+    head_pass = (2 * T * V * d if ours else weight32) + logits + n * T * H * d
     block_pass = n * S * (d * (3 * I + 6 * H) + f32 * H)  # one block's forward: MLP, attention, norm
     backward = n * S * d * (I + 3 * H)  # one block's gradients in flight
+    kept = decode_graph_bytes(config, N, P, T, d) if cuda_graph and shared_prefill else 0
     base = weights + lora
     phases = {
         "weights": weights,
         "lora+adam": lora,
-        "sampling": base + sampling,
-        "trunk": base + trunk,
-        "logprob_pass": base + trunk + max(head_pass, block_pass),
+        "sampling": base + sampling + kept - rows_cache * bool(kept),  # the kept cache is the one sampled in
+        "trunk": base + kept + trunk,
+        "logprob_pass": base + kept + trunk + max(head_pass, block_pass),
         "activations": activations,
-        "update": base + trunk + activations + max(head_pass, backward),
+        "update": base + kept + trunk + activations + max(head_pass, backward),
     }
     phases["peak"] = max(phases[k] for k in ("sampling", "logprob_pass", "update"))
     return phases
+
+
+def decode_graph_bytes(config: Any, rows: int, prompt_len: int, completion_len: int, dtype_bytes: int) -> int:
+    """What a decoding step kept as a CUDA graph (speedups.DecodeGraphs) holds between sampling calls: its
+    StaticCache of N rows x (P + T) positions in all L blocks (keys and values), its (N, P + T) int64 mask,
+    and the graph's memory: the step's fp32 logits (N, V) and their static copy, one block's intermediates
+    for N tokens (MLP and attention), the attention's (N, 1, 1, P + T) masks (boolean and additive)."""
+    text = config.get_text_config()
+    H, I, L, V = text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.vocab_size
+    N, S, d = rows, prompt_len + completion_len, dtype_bytes
+    kv = text.num_key_value_heads * H // text.num_attention_heads
+    cache = N * S * L * 2 * kv * d
+    pool = 2 * N * V * 4 + N * (3 * I + 6 * H) * d + N * S * (1 + d)
+    return cache + N * S * 8 + pool
 
 
 def pixel_bytes(image_tokens: int) -> int:

@@ -8,7 +8,7 @@ Each section re-arranges one grpo.py function:
    `sample_shared_prefill` prefills it once, copies the KV cache to the G rows of a pre-allocated one and
    decodes with generate's own sampler, op for op: the same tokens for the same seed. Its decoding step has
    static shapes and reads nothing back to the host but, every few tokens, whether all rows have ended; with
-   --cuda-graph it is captured once per prompt-length bucket and replayed across calls (`DecodeGraphs`,
+   --cuda-graph it is captured once per prompt length and replayed across calls (`DecodeGraphs`,
    `capture_cuda_graph`). Its mask marks only written slots valid, so every attention kernel (sdpa, eager,
    FlashAttention-2, which reads the mask as the keys to attend) sees no empty slot. Its logits come from the
    log-prob passes' fp32 LM head (`head_logits`): at mu = 1 the tokens are drawn from the distribution whose
@@ -99,16 +99,15 @@ def _prefill(model: nn.Module, inputs: dict[str, Tensor]) -> tuple:
 
 @dataclass
 class _Decoder:
-    """What the decoding step reads and writes in place, for N rows and T tokens: a replayed graph reads it
-    at the addresses it was captured with, so a kept decoder refills these tensors, never replaces them."""
+    """What the decoding step reads and writes in place, for N rows, P prompt and T completion positions: a
+    replayed graph reads it at the addresses it was captured with, so a kept decoder refills these tensors,
+    never replaces them."""
 
-    cache: StaticCache  # prompt_slots + T positions per row
-    prompt_slots: int  # P rounded up to the bucket; a prompt of P fills the last P of them
-    mask: Tensor  # (N, prompt_slots + T) 1 on a written, non-padding slot: the only ones any kernel reads
+    cache: StaticCache  # P + T positions per row
+    mask: Tensor  # (N, P + T) 1 on a written, non-padding slot: the only ones any kernel reads
     position: Tensor  # (N, 1) the RoPE position of the token fed next
     written: Tensor  # (1,) the slot the token fed next is written to
-    head32: Tensor  # (V, H) the LM head's weight in fp32 (the weight itself for an fp32 head)
-    step: Callable[[Tensor], tuple[Tensor, ...]] | None = None
+    head: Tensor  # (V, H) the LM head's weight as `head_logits` takes it (`head_weight`)
 
 
 # A capture gets a step (a function of static inputs) and returns (the outputs of one run of it, the static
@@ -120,23 +119,20 @@ class _Decoder:
 # sliding-window layer of the cache counts in a Python int, which a replay leaves behind.
 Capture = Callable[[Callable[[], tuple]], tuple[tuple, tuple, Callable[[], Any]]]
 
-# Prompt slots of a kept decoding step are P rounded up to a multiple of this: prompts of 1,150 and 1,190
-# tokens replay one graph. The price: a step attends over up to 63 more (masked) slots.
-PROMPT_BUCKET = 64
-
 
 @dataclass
 class DecodeGraphs:
-    """Decoding steps kept across sampling calls (--cuda-graph): one per (N rows, T, dtype, recording or
-    not), captured once (`capture`) and replayed at every later token of every later call (training steps,
-    evaluation batches) whose prompts fit its slots (P rounded up to `bucket`); a longer prompt replaces it
-    by one captured at its own bucket. NOTE: each kept step holds its StaticCache (N x (slots + T)
-    positions) and the graph's memory pool between calls, through the update. Without `capture` nothing is
-    kept: each call decodes eagerly with slots = P."""
+    """The decoding step kept across sampling calls (--cuda-graph): captured once (`capture`) and replayed at
+    every later token of every later call of the same shapes, (N rows, P, T, dtype, recording or not):
+    training steps and evaluation batches whose prompts have the length it was captured at. A call of other
+    shapes first frees the kept one, then captures its own, so at most one is kept: one StaticCache of
+    N x (P + T) positions and one graph's memory, held between calls and through the update (memory.py
+    counts them). P is never rounded up: a graph computes exactly what the eager loop computes, a capture
+    per new prompt length is the price (docs/speed.md). Without `capture` nothing is kept."""
 
     capture: Capture | None = None
-    bucket: int = 1
-    decoders: dict[tuple, _Decoder] = field(default_factory=dict)
+    # (shapes, decoder, its step); the step refers to the decoder, nothing refers back: freed by refcount
+    kept: tuple[tuple, _Decoder, Callable[..., tuple]] | None = None
     casts: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)  # `weights_cast_once`'s
     recorded: list[Tensor] = field(default_factory=list)  # what entered record_block, from the hook
 
@@ -144,18 +140,25 @@ class DecodeGraphs:
 def capture_cuda_graph(step: Callable[[], tuple], *, device: torch.device, pool: tuple) -> tuple:
     """A `Capture` on `device`: run `step` once on a side stream there (the warm-up: cuBLAS workspaces and
     lazy allocations are made outside the capture), then capture it into a CUDA graph whose memory comes
-    from `pool` (one kept for the run's graphs: a capture neither frees nor re-allocates the rest). The
-    capture launches nothing: the KV cache and the positions advance once, in the warm-up, whose outputs are
-    the first step's."""
+    from `pool` (one kept for the run's graphs). The capture launches nothing: the KV cache and the
+    positions advance once, in the warm-up, whose outputs are the first step's.
+    NOTE: capture_error_mode "thread_local": CUDA then refuses an unsafe call only on this thread. In the
+    default "global" mode a page-locked allocation on another thread (`trainer.prompts_ahead` pinning the
+    next batch: cudaHostAlloc) fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and breaks the capture.
+    `capture_begin` rather than torch.cuda.graph, which synchronizes and empties the allocator's caches
+    (device and page-locked) at every capture: a capture per prompt length would pay that every step."""
     with torch.cuda.device(device):  # NOTE: the side stream, the pool and the capture on the model's GPU
         side = torch.cuda.Stream(device=device)
         side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             first = step()
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                static = step()
+            finally:
+                graph.capture_end()
         torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=side):
-            static = step()
     return first, static, graph.replay
 
 
@@ -180,7 +183,7 @@ def _captured(step: Callable[..., tuple], capture: Capture) -> Callable[..., tup
 
 
 def _decode_step(
-    model: nn.Module, decoder: _Decoder, head: Tensor, recorded: list[Tensor], capture: Capture | None
+    model: nn.Module, decoder: _Decoder, recorded: list[Tensor], capture: Capture | None
 ) -> Callable[[Tensor], tuple[Tensor, ...]]:
     """One token's forward, tokens (N, 1) -> fp32 logits (N, V) [, what entered record_block: an output, as a
     graph replays no hook]; no host sync or changing shape, all else read in place: a CUDA graph can replay
@@ -197,48 +200,47 @@ def _decode_step(
         hidden = base(input_ids=fed, position_ids=decoder.position, **options).last_hidden_state  # (N, 1, H)
         decoder.position.add_(1)  # on the device, as StaticCache advances where it writes: a replay does all
         decoder.written.add_(1)
-        logits = head_logits(hidden[:, -1], head, decoder.head32)  # (N, V) fp32
+        logits = head_logits(hidden[:, -1], decoder.head)  # (N, V) fp32
         return (logits, recorded.pop()) if recorded else (logits,)
 
     return step if capture is None else _captured(step, capture)
 
 
-def _decoder(model: nn.Module, graphs: DecodeGraphs, key: tuple, P: int, T: int, head: Tensor) -> _Decoder:
-    """The decoder kept for `key` if its prompt slots hold P, else a new one (kept if `graphs` capture)."""
-    kept = graphs.decoders.get(key)
-    if kept is not None and kept.prompt_slots >= P:
-        return kept
-    slots, N, device = -(-P // graphs.bucket) * graphs.bucket, key[0], head.device
-    head32 = head if _fp32(head) is head else torch.empty(head.shape, dtype=torch.float32, device=device)
+def _decoder(
+    model: nn.Module, graphs: DecodeGraphs, shapes: tuple, head: Tensor
+) -> tuple[_Decoder, Callable]:
+    """The decoder and step kept for `shapes` (N, P, T, dtype, recording), else new ones, kept if `graphs`
+    capture (the caller has freed any kept for other shapes: never two caches at once)."""
+    if graphs.kept is not None and graphs.kept[0] == shapes:
+        return graphs.kept[1:]
+    (N, P, T, *_), device = shapes, head.device
     decoder = _Decoder(
-        cache=StaticCache(config=model.config, max_cache_len=slots + T),
-        prompt_slots=slots,
-        mask=torch.zeros(N, slots + T, dtype=torch.long, device=device),
+        cache=StaticCache(config=model.config, max_cache_len=P + T),
+        mask=torch.zeros(N, P + T, dtype=torch.long, device=device),
         position=torch.zeros(N, 1, dtype=torch.long, device=device),
         written=torch.zeros(1, dtype=torch.long, device=device),
-        head32=head32,
+        head=head_weight(head),
     )
+    step = _decode_step(model, decoder, graphs.recorded, graphs.capture)
     if graphs.capture is not None:
-        graphs.decoders[key] = decoder  # a replaced one is freed with its graph
-    return decoder
+        graphs.kept = (shapes, decoder, step)
+    return decoder, step
 
 
 def _load(decoder: _Decoder, prompts: Any, attention_mask: Tensor, position: Tensor, head: Tensor, G: int):
-    """A new batch into the decoder, in place: each prompt's KV cache copied to its G rows in the last P
-    prompt slots, its padding mask and positions likewise, the head's fp32 copy refreshed."""
+    """A new batch into the decoder, in place: each prompt's KV cache copied to its G rows in the first P
+    slots, its padding mask and positions likewise, the head's fp32 copy (if it has one) refreshed."""
     P = attention_mask.shape[1]
-    offset = decoder.prompt_slots - P  # left slots a shorter prompt leaves empty (masked)
     decoder.cache.reset()  # zeros: a slot never written holds no key of an earlier batch
     for layer, prompt in zip(decoder.cache.layers, prompts.layers, strict=True):
-        layer.cumulative_length.fill_(offset)  # where `update` writes next
         # NOTE: each prompt's keys and values stored G times: once needs an attention over a shared prefix
         layer.update(*(kv.repeat_interleave(G, dim=0) for kv in (prompt.keys, prompt.values)))
     decoder.mask.zero_()  # the T completion slots stay 0 until the step writes them
-    decoder.mask[:, offset : offset + P] = attention_mask.repeat_interleave(G, dim=0)
+    decoder.mask[:, :P] = attention_mask.repeat_interleave(G, dim=0)
     decoder.position.copy_(position.repeat_interleave(G, dim=0))
-    decoder.written.fill_(offset + P)
-    if decoder.head32 is not head:
-        decoder.head32.copy_(head)
+    decoder.written.fill_(P)
+    if decoder.head is not head:
+        decoder.head.copy_(head)
 
 
 @contextmanager
@@ -295,6 +297,10 @@ def sample_shared_prefill(
         raise ValueError(f"need max_new_tokens >= 1, group_size >= 1; got {max_new_tokens=}, {group_size=}")
     graphs = capture if isinstance(capture, DecodeGraphs) else DecodeGraphs(capture)
     graphs.recorded.clear()  # the prompts' (B, P, H), then (N, 1, H) per fed token
+    head, (B, P) = model.get_output_embeddings().weight, inputs["input_ids"].shape  # head (V, H)
+    shapes = (B * group_size, P, max_new_tokens, head.dtype, record_block is not None)
+    if graphs.kept is not None and graphs.kept[0] != shapes:
+        graphs.kept = None  # NOTE: the replaced cache and graph are freed now, before the prefill runs
 
     def record(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         graphs.recorded.append(args[0] if args else kwargs["hidden_states"])
@@ -304,11 +310,9 @@ def sample_shared_prefill(
         hidden, prompts, position = _prefill(model, inputs)  # (B, H), the prompts' cache, (B, 1)
         recorded = graphs.recorded[:1]  # the prompts' trunk (B, P, H), if recorded
         graphs.recorded.clear()
-        head, (B, P) = model.get_output_embeddings().weight, inputs["input_ids"].shape  # head (V, H)
-        key = (B * group_size, max_new_tokens, head.dtype, record_block is not None)
-        decoder = _decoder(model, graphs, key, P, max_new_tokens, head)
+        decoder, step = _decoder(model, graphs, shapes, head)
         _load(decoder, prompts, inputs["attention_mask"], position, head, group_size)
-        logits = head_logits(hidden, head, decoder.head32).repeat_interleave(group_size, dim=0)  # (N, V)
+        logits = head_logits(hidden, decoder.head).repeat_interleave(group_size, dim=0)  # (N, V)
         (N, V), device = logits.shape, logits.device
         if any(not 0 <= t < V for t in suppress_token_ids):  # NOTE: a negative id would index from the end
             raise ValueError(f"suppress_token_ids must lie in [0, {V}), got {sorted(suppress_token_ids)}")
@@ -319,8 +323,6 @@ def sample_shared_prefill(
         tokens = torch.full((N, max_new_tokens), pad_token_id, device=device)  # (N, T)
         every, rng_states, cuda = FINISHED_CHECK_EVERY.get(device.type, 1), [], device.type == "cuda"
         rng = torch.cuda.default_generators[device.index] if cuda else torch.default_generator
-        if decoder.step is None:
-            decoder.step = _decode_step(model, decoder, head, graphs.recorded, graphs.capture)
         for t in range(max_new_tokens):
             token = _draw(logits, temperature=temperature, top_p=top_p, suppressed=suppressed)  # (N,)
             rng_states.append(rng.get_state())  # the generator multinomial draws from
@@ -329,10 +331,8 @@ def sample_shared_prefill(
             running &= ~torch.isin(tokens[:, t], ends)  # any end-of-turn id ends the row
             if t == max_new_tokens - 1 or ((t + 1) % every == 0 and not running.any()):
                 break
-            logits, *fed_hidden = decoder.step(tokens[:, t, None])  # (N, V) [and record_block's (N, 1, H)]
+            logits, *fed_hidden = step(tokens[:, t, None])  # (N, V) [and record_block's (N, 1, H)]
             recorded += fed_hidden
-    if graphs.decoders.get(key) is not decoder:  # NOTE: not kept: break the step <-> decoder cycle, so the
-        decoder.step = None  # cache and the fp32 head are freed now, not at the next garbage collection
     if not running.any():  # generate stops at the step where the last row ended: drop the steps after it
         t = int(torch.isin(tokens, ends).to(torch.int8).argmax(dim=1).max())  # argmax: each row's first EOS
         rng.set_state(rng_states[t])  # and undo their draws
@@ -583,50 +583,59 @@ def _on_cuda(x: Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-@contextmanager
-def tf32_matmuls(enabled: bool) -> Iterator[None]:
-    """TF32 for the fp32 matmuls inside if `enabled`, restored on the way out, even on error: torch's switch
-    is process-wide, so it is set only around the LM head's matmul (never RoPE's angles, an fp32 model's
-    layers or the head's gradient, whose operands are not bf16 values)."""
-    if not enabled:
-        yield
-        return
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of two bf16 CUDA matrices as an fp32 matrix (torch >= 2.8; cuBLAS, fp32 accumulation)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
 
 
-def head_logits(hidden: Tensor, weight: Tensor, weight32: Tensor) -> Tensor:
-    """fp32 logits (..., V) of the LM head `weight` (V, H) on `hidden` (..., H), given `weight32`, the weight
-    in fp32 (made once by the caller): what the sampler draws from and the log-prob passes train. In bf16
-    logits above 16 are spaced 0.125. Where hidden and weight are bf16 on CUDA the matmul runs in TF32,
-    equal to fp32 up to the summation order: a bf16 value has 8 significant bits and TF32 keeps 11, so the
-    operands enter unrounded, each product (16 bits) is exact, and the sums are fp32 in cuBLAS's order."""
-    exact = all(_on_cuda(x) and x.dtype == torch.bfloat16 for x in (hidden, weight))
-    with tf32_matmuls(exact):
-        return _fp32(hidden) @ weight32.T
+def head_weight(weight: Tensor) -> Tensor:
+    """The LM head's weight (V, H) as `head_logits` and the backward take it: a bf16 weight on CUDA as it is
+    (cuBLAS multiplies it into fp32), an fp32 one as it is, else an fp32 copy, made once per pass by the
+    caller (the CPU's bf16: 151,936 x 2048 x 4 B = 1.2 GB at 3B)."""
+    return weight if _on_cuda(weight) and weight.dtype == torch.bfloat16 else _fp32(weight)
 
 
-def _row_logits(hidden: Tensor, weight: Tensor, weight32: Tensor, temperature: float) -> Tensor:
+def head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """fp32 logits (n, V) of the LM head on `hidden` (n, H), its `weight` from `head_weight`: what the
+    sampler draws from and the log-prob passes train (in bf16, logits above 16 are spaced 0.125). For bf16
+    operands on CUDA the matmul reads them as they are and writes fp32: a bf16 value has 8 significant bits,
+    so each product (16 bits) is exact in fp32 and cuBLAS sums them in fp32: equal to the fp32 head up to
+    the summation order, with no fp32 copy of the weight and no TF32 switch (no process-wide setting)."""
+    if weight.dtype == torch.bfloat16 and hidden.dtype == torch.bfloat16:
+        return _mm_fp32(hidden, weight.T)
+    return _fp32(hidden) @ _fp32(weight).T
+
+
+def _times_head(dz: Tensor, weight: Tensor) -> Tensor:
+    """dz (T, V) fp32 @ the head's `weight` (V, H) from `head_weight`, in fp32. A bf16 weight on CUDA is
+    never copied: dz is split into two bf16 halves, hi = bf16(dz) and lo = bf16(dz - hi), which hold it to
+    16 significant bits (|dz - hi - lo| <= 2^-16 |dz|, against 2^-11 for TF32's rounding of dz), and each
+    half is multiplied into fp32 as in `head_logits` (exact products, fp32 sums). That error is far below
+    the fp32 sum's own over V = 151,936 terms, and the result is rounded to the bf16 hidden states' 8 bits."""
+    if weight.dtype != torch.bfloat16:
+        return dz @ weight
+    hi = dz.to(torch.bfloat16)
+    lo = (dz - hi).to(torch.bfloat16)  # dz - hi is exact in fp32: hi is dz rounded to 8 bits
+    return _mm_fp32(hi, weight).add_(_mm_fp32(lo, weight))
+
+
+def _row_logits(hidden: Tensor, weight: Tensor, temperature: float) -> Tensor:
     """(T, V) = the LM head on one row's hidden states (T, H), in fp32, over the temperature."""
-    logits = head_logits(hidden, weight, weight32)
+    logits = head_logits(hidden, weight)
     return logits if temperature == 1 else logits / temperature
 
 
 class _RowByRowLogprobs(torch.autograd.Function):
     """log softmax(lm_head(hidden) / temperature)[index], and the entropy (no grad), one row at a time both
     ways. A hand-written backward: autograd through a row loop would keep every row's fp32 logits alive;
-    this keeps the (N, T) logsumexp and recomputes a row's logits in the backward. NOTE: each pass holds
-    an fp32 copy of a bf16 head's weight while it runs (151,936 x 2048: 1.2 GB)."""
+    this keeps the (N, T) logsumexp and recomputes a row's logits in the backward. A bf16 head on CUDA is
+    never copied to fp32 (`head_weight`); elsewhere a pass holds its fp32 copy while it runs."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, index: Tensor, temperature: float, entropy: bool):
-        weight32, lse, picked, entropies = _fp32(weight), [], [], []  # weight32: (V, H), freed on return
+        head, lse, picked, entropies = head_weight(weight), [], [], []  # head: (V, H), a copy freed on return
         for row, ids in zip(hidden, index):
-            z = _row_logits(row, weight, weight32, temperature)  # (T, V)
+            z = _row_logits(row, head, temperature)  # (T, V)
             lse.append(torch.logsumexp(z, dim=-1))
             picked.append(z.gather(-1, ids[:, None]).squeeze(-1))
             if entropy:  # a metric; entr(p) = -p log p, with entr(0) = 0
@@ -642,15 +651,15 @@ class _RowByRowLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
         hidden, weight, index, lse = ctx.saved_tensors
-        weight32, scale = _fp32(weight), grad / ctx.temperature  # (N, T) chain rule through z / temperature
+        head, scale = head_weight(weight), grad / ctx.temperature  # (N, T) chain rule through z / temperature
         grad_hidden = torch.empty_like(hidden)  # (N, T, H): no (N, T, V) tensor, forward or backward
-        grad_weight = torch.zeros_like(weight32) if ctx.needs_input_grad[1] else None  # a trainable head
+        grad_weight = torch.zeros_like(_fp32(weight)) if ctx.needs_input_grad[1] else None  # a trainable head
         for i in range(hidden.shape[0]):
             # d logp / d z = onehot(index) - softmax(z), times the incoming gradient; then through the head.
-            z = _row_logits(hidden[i], weight, weight32, ctx.temperature)  # (T, V)
+            z = _row_logits(hidden[i], head, ctx.temperature)  # (T, V)
             dz = torch.exp(z - lse[i, :, None]).mul_(-scale[i, :, None])  # (T, V)
             dz.scatter_add_(-1, index[i, :, None], scale[i, :, None])  # + scale at index
-            grad_hidden[i] = dz @ weight32  # (T, H)
+            grad_hidden[i] = _times_head(dz, head)  # (T, H)
             if grad_weight is not None:
                 grad_weight += dz.T @ _fp32(hidden[i])  # (V, H)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
@@ -736,8 +745,8 @@ def record_block(model: nn.Module, parts: dict[str, Any]) -> nn.Module:
 
 
 def decode_capture(model: nn.Module, config: SpeedConfig) -> DecodeGraphs | None:
-    """The run's `DecodeGraphs` (`capture_cuda_graph` on the model's GPU, one memory pool, P in buckets of
-    PROMPT_BUCKET) where --cuda-graph can act; elsewhere None, and a note says why."""
+    """The run's `DecodeGraphs` (`capture_cuda_graph` on the model's GPU, one memory pool) where --cuda-graph
+    can act; elsewhere None, and a note says why."""
     device, attention = next(model.parameters()).device, model.config._attn_implementation
     # NOTE: flash_attention_2 reads its mask back to the host; a sliding-window StaticCache layer counts
     # what it holds in a Python int, which a replay would never advance.
@@ -745,7 +754,7 @@ def decode_capture(model: nn.Module, config: SpeedConfig) -> DecodeGraphs | None
     if config.shared_prefill and device.type == "cuda" and attention in ("sdpa", "eager") and full:
         with torch.cuda.device(device):
             pool = torch.cuda.graph_pool_handle()
-        return DecodeGraphs(partial(capture_cuda_graph, device=device, pool=pool), bucket=PROMPT_BUCKET)
+        return DecodeGraphs(partial(capture_cuda_graph, device=device, pool=pool))
     # A note, not an error: a GPU run's command line also runs on the CPU, as without the flag.
     needs = "--shared-prefill's decoding, on CUDA, with sdpa or eager attention and no sliding window"
     print(f"note: --cuda-graph ignored: it captures {needs} (here {device}, {attention})")

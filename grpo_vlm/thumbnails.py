@@ -15,10 +15,16 @@ Choices:
 - `<key>`: the first 16 hex digits of SHA-256 over f"{w}x{h}" and the decoded RGB pixels, so the same picture
   is kept once whatever its path or object; an existing file is never rewritten.
 - Every rank makes the JPEGs of its own rows, in memory; the writing rank writes them all (`write`,
-  atomically), after `distributed.gather_lists` brought them: no file is written by a rank that may not
+  atomically), after `distributed.gather_to_writer` brought them: no file is written by a rank that may not
   see the run folder, and none before the folder's run is set up (the step-0 evaluation runs before that).
   `Kept` remembers, per rank, the files handed on already: a repeated image is hashed but never encoded or
   sent again; a file, by (path, modification time, size), is not even decoded again.
+- Off the step's critical path: `keep_aside` runs `keep` on one thread per rank (`Kept.thread`), started
+  as soon as a step's logged rows are known (after its rollout), while its log-prob passes and update run;
+  the writer takes the result before it writes the lines that name the files. One thread, calls in the
+  order made: `Kept` changes as it would on the main thread, and the same files and entries come out. At
+  most one step's rows (and an evaluation's batches) wait there: the loop takes each result before the
+  next step's rollout.
 - A tool call's crop is kept as its record names it: `crop` ([x1, y1, x2, y2], original pixels) of the
   sample's image `arguments["image"]`, which is how zoom (tools.py) makes it, cut again from the image
   decoded for the sample's own thumbnails; a returned image whose record names no crop gets "thumb_error".
@@ -31,6 +37,7 @@ import hashlib
 import io
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +69,13 @@ class Kept:
     by_file: dict[tuple[str, int, int], dict] = field(default_factory=dict)
     seen_bytes: int = 0  # of the -seen files handed on (on a resumed run's rank 0: those in the folder too)
     unseen: set[str] = field(default_factory=set)  # keys whose -seen file the budget left out
+    # `keep_aside`'s thread, made on first use; its thread ends once this is garbage
+    worker: ThreadPoolExecutor | None = field(default=None, repr=False, compare=False)
+
+    def thread(self) -> ThreadPoolExecutor:
+        if self.worker is None:
+            self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thumbnails")
+        return self.worker
 
 
 def image_key(image: Image.Image) -> str:
@@ -145,6 +159,14 @@ def keep(
     if turns is not None:
         turns = [crop_thumbs(row, sample, load, kept, out) for row, sample in zip(turns, samples)]
     return thumbs, turns, out
+
+
+def keep_aside(
+    samples: list[dict], image_processor, kept: Kept, turns: list[list[dict]] | None = None
+) -> Future:
+    """`keep(samples, image_processor, kept, turns)` on `kept`'s thread, returned at once as a Future; calls
+    run one at a time in the order made. NOTE: `kept` is then changed on that thread only."""
+    return kept.thread().submit(keep, samples, image_processor, kept, turns)
 
 
 def kept_image(

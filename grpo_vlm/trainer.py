@@ -222,6 +222,7 @@ class Rollout:
     token_mask: torch.Tensor | None = None  # (N, T) the high-entropy tokens, when top_entropy_quantile < 1
     tool_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # tools/calls, tools/errors/..
     turns: list[list[dict]] | None = None  # each row's turns (multiturn.py), for rollouts.jsonl
+    thumbs: concurrent.futures.Future | None = None  # the logged rows' thumbnails.keep, made aside
 
     @property
     def inputs(self) -> dict[str, torch.Tensor]:
@@ -245,6 +246,7 @@ def train_step(
     ro = roll(run, prompts, args, batch=batch)  # sample, mask, rewards, advantages
     # DAPO's dynamic sampling: only groups with a learning signal, topped up from more prompts.
     ro, counts = groups_with_signal(run, ro, step, args) if args.dynamic_sampling else (ro, {})
+    thumbnails_aside(step, ro, run, args)  # the logged rows' thumbnails, made while the step goes on
     frozen_logprobs(run, ro, args)  # old_logp (mu > 1) and ref_logp (beta > 0), no grad
     t1 = clock(run.device)
     stats = policy_update(run, ro, args, beta)  # logp with grad -> loss -> optimizer step(s)
@@ -278,28 +280,47 @@ def seconds_between(start: float | torch.cuda.Event, end: float | torch.cuda.Eve
     return start.elapsed_time(end) / 1000  # milliseconds
 
 
+def logs_completions(step: int, args: Args) -> bool:
+    return bool(args.log_completions_every) and step % args.log_completions_every == 0
+
+
+def thumbnails_aside(step: int, ro: Rollout, run: Run, args: Args) -> None:
+    """On a step that logs its rows: their images' thumbnails (thumbnails.keep_aside), made on another thread
+    while the step's log-prob passes and update run; `completion_rows` takes them (ro.thumbs)."""
+    if logs_completions(step, args):
+        ro.thumbs = thumbnails.keep_aside(ro.samples, run.image_processor, run.kept, ro.turns)
+
+
 def completion_rows(step: int, ro: Rollout, run: Run, args: Args) -> tuple[list[dict], dict[str, bytes]]:
     """rollouts.jsonl's lines for this step (every --log-completions-every steps), every rank's rows, and the
-    thumbnails they name that no rank handed to the writer before (file name -> JPEG)."""
-    if not args.log_completions_every or step % args.log_completions_every:
+    thumbnails they name that no rank handed to the writer before (file name -> JPEG): on the writing rank;
+    the others return nothing."""
+    if not logs_completions(step, args):
         return [], {}
     components = {name: values.tolist() for name, values in ro.components.items()}
     numbers = (ro.reward.tolist(), ro.adv.tolist(), ro.mask.sum(dim=1).tolist(), ro.truncated.tolist())
-    extras, turns, made = logged_fields(run, ro.samples, ro.texts, ro.turns)
+    extras, turns, made = logged_fields(run, ro.samples, ro.texts, ro.turns, thumbs=ro.thumbs)
     rows = logs.rollout_records(
         step, ro.samples, ro.texts, components, *numbers, args.group_size, turns, extras=extras
     )
-    # every rank's rows and files (one process: its own); only the writing rank writes them
-    return distributed.gather_lists(rows), merged(distributed.gather_lists([made]))
+    # every rank's rows and files, to the writing rank only, in one collective (one process: its own)
+    gathered = distributed.gather_to_writer([(rows, made)])
+    return [row for rows, _ in gathered for row in rows], merged([made for _, made in gathered])
 
 
 def logged_fields(
-    run: Run, samples: list[dict], texts: list[str], turns: list[list[dict]] | None = None
+    run: Run,
+    samples: list[dict],
+    texts: list[str],
+    turns: list[list[dict]] | None = None,
+    thumbs: concurrent.futures.Future | None = None,
 ) -> tuple[list[dict], list[list[dict]] | None, dict[str, bytes]]:
     """What a logged row shows besides its scores: each row's prompt, target, "thumbs" (its images kept:
-    thumbnails.keep) and, for a sample with boxes, the completion's boxes in original pixels; the rows' turns
-    with their returned crops' thumbnails; the new thumbnail files."""
-    thumbs, turns, made = thumbnails.keep(samples, run.image_processor, run.kept, turns)
+    thumbnails.keep, on its thread: `thumbs` if started already) and, for a sample with boxes, the
+    completion's boxes in original pixels; the rows' turns with their returned crops' thumbnails; the new
+    thumbnail files."""
+    aside = thumbs or thumbnails.keep_aside(samples, run.image_processor, run.kept, turns)
+    thumbs, turns, made = aside.result()
     extras = []
     for sample, text, row_thumbs in zip(samples, texts, thumbs):
         fields = {"prompt": dataset.prompt_text(sample), "target": dataset.target_fields(sample)}
@@ -328,8 +349,12 @@ def host_batch(run: Run, samples: list[dict], args: Args) -> data.PromptBatch:
     page-locked when the run is on CUDA, so that `to_device`'s copy runs without the host waiting for it."""
     # Large files decoded once, shrunk to the budget; every prompt's length was checked when the data loaded.
     batch = dataset.prepare_prompts(samples, run.tokenizer, run.image_processor, device="cpu")
-    if torch.device(run.device).type != "cuda":
-        return batch
+    return pinned(batch) if torch.device(run.device).type == "cuda" else batch
+
+
+def pinned(batch: data.PromptBatch) -> data.PromptBatch:
+    """`batch` in page-locked host memory, allocated (cudaHostAlloc) on `prompts_ahead`'s thread while the
+    step before it samples, perhaps capturing its decoding step (`speedups.capture_cuda_graph`)."""
     return data.PromptBatch({k: v.pin_memory() for k, v in batch.inputs.items()}, batch.images_per_row)
 
 
@@ -389,11 +414,28 @@ def rollout(run: Run, prompts: list[dict], args: Args, batch: data.PromptBatch |
     reward = as_floats(scores.total)  # (N,)
     components = {name: as_floats(values) for name, values in scores.components.items()}
     adv = advantages(reward, components, run, args)  # (N,)
-    rows = data.repeat_rows(batch, G).inputs  # the N rows the completions belong to, images included
+    rows = chunk_rows(batch, G, recording)  # the N rows the completions belong to
     chunks = speedups.row_chunks(model, rows, completion_ids, recording, run.speed)  # rows' pixels: if read
     return Rollout(
         batch, completion_ids, mask, truncated, texts, samples, reward, components, adv, chunks, recording
     )
+
+
+def chunk_rows(batch: data.PromptBatch, G: int, recording: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The N = B*G rows for `speedups.row_chunks`: each prompt's inputs and images G times (data.repeat_rows).
+    With a recorded trunk the chunks read ids, masks and grids only, so the rows' pixels are not copied (1.3
+    GiB of fp32 at 3B, B = 8, G = 8): `pixel_values` is then a stand-in of their shape that holds no memory.
+    NOTE: NaN throughout, so a pass that read it would show it; none does (trunk_from_recording drops it)."""
+    if recording is None or "pixel_values" not in batch.inputs:
+        return data.repeat_rows(batch, G).inputs
+    images = ("pixel_values", "image_grid_thw")
+    text = data.PromptBatch({k: v for k, v in batch.inputs.items() if k not in images}, batch.images_per_row)
+    rows = data.repeat_rows(text, G).inputs
+    grids = batch.inputs["image_grid_thw"].split(batch.images_per_row)  # (images of prompt b, 3) each
+    rows["image_grid_thw"] = torch.cat([grid for grid in grids for _ in range(G)])
+    pixels = batch.inputs["pixel_values"]  # (patches, D) of the B prompts
+    rows["pixel_values"] = pixels.new_full((), float("nan")).expand(G * pixels.shape[0], pixels.shape[1])
+    return rows
 
 
 @torch.no_grad()
@@ -767,6 +809,8 @@ def fit_memory(
         group_size=args.group_size,
         num_params=sum(p.numel() for p in model.parameters() if not p.requires_grad),  # adapters aside
         tool_image_tokens=tool_image_tokens,
+        cuda_graph=speed.cuda_graph and device.type == "cuda",  # the decoding step kept between calls
+        device_type=device.type,
     )
     budget = memory.device_budget(device) if budget is None else budget
     size = None if auto else speed.micro_batch_size  # None: memory.fit chooses
@@ -1036,6 +1080,9 @@ def held_out_sums(
     greedy = dict(run.sampling, temperature=0.0, group_size=1, record=False)
     for i in range(run.rank * EVAL_BATCH_SIZE, len(samples), run.world * EVAL_BATCH_SIZE):
         chunk = samples[i : i + EVAL_BATCH_SIZE]
+        thumbs = None  # the records' thumbnails, made aside while the batch decodes (with tools: after it)
+        if records and run.tools is None:
+            thumbs = thumbnails.keep_aside(chunk, run.image_processor, run.kept)
         batch = prompt_batch(run, chunk, args)
         chunk = dataset.with_grounding(chunk, run.image_processor, run.box_frame)
         turns = None
@@ -1054,7 +1101,9 @@ def held_out_sums(
         totals += scores.total
         correct += [v >= 1.0 for v in scores.components[run.accuracy_name]]
         if records:
-            new, files = eval_records(run, i, chunk, texts, scores, lengths, truncated.tolist(), turns)
+            new, files = eval_records(
+                run, i, chunk, texts, scores, lengths, truncated.tolist(), turns, thumbs=thumbs
+            )
             logged, made = logged + new, made | files
     return (sum(correct), sum(totals), calls), logged, made
 
@@ -1068,11 +1117,13 @@ def eval_records(
     lengths: list[int],
     truncated: list[bool],
     turns: list[list[dict]] | None,
+    thumbs: concurrent.futures.Future | None = None,
 ) -> tuple[list[dict], dict[str, bytes]]:
     """eval_samples.jsonl's records (without "step") of held-out samples first, first + 1, ... and their
-    greedy completions (`turns`: None without tools), and the new thumbnail files they name. "correct" is
+    greedy completions (`turns`: None without tools), and the new thumbnail files they name (`thumbs`: their
+    thumbnails.keep if started already). "correct" is
     the accuracy reward >= 1, as eval/accuracy counts it."""
-    extras, turns, made = logged_fields(run, samples, texts, turns)
+    extras, turns, made = logged_fields(run, samples, texts, turns, thumbs)
     records = []
     for k, (sample, text, fields) in enumerate(zip(samples, texts, extras)):
         images = [logs.image_reference(image) for image in sample.get("images") or []]

@@ -27,12 +27,17 @@ exception fails its own check only (traceback on stderr) and the next one runs; 
 6. determinism: the same step twice from the same state (seed, LoRA weights, AdamW's moments) under
    --deterministic's settings (`distributed.use_deterministic_algorithms`): bit-identical loss and weights.
    On CUDA it runs in a child process (`--checks 6`) whose cuBLAS starts with CUBLAS_WORKSPACE_CONFIG set.
-7. CUDA graph: the sampler's decoding step replayed as a CUDA graph draws the tokens it draws eagerly.
-8. decode time per token, eager and CUDA-graph-replayed: a sampling call of T tokens less one of 2, over
-   the T - 2 steps between (device events on CUDA, the host clock elsewhere).
+7. CUDA graph: the sampler's decoding step replayed as a CUDA graph draws the tokens it draws eagerly,
+   captured while another thread allocates page-locked memory as the training loop's prompts ahead do (a
+   capture in CUDA's "global" mode fails there); the memory the kept graph holds between calls within 25%
+   of `memory.decode_graph_bytes`.
+8. decode time per token, eager and CUDA-graph-replayed, each within one sampling call of T tokens: the
+   clock read at each decoding step (device events on CUDA, the host clock elsewhere), first to last; and
+   the time of one capture (warm-up step, capture, instantiation), which each new prompt length pays.
 9. kernels launched per decoded token (torch.profiler; on the CPU, aten ops), eager.
-10. the fp32 LM head in TF32 against fp32 (scoped `torch.set_float32_matmul_precision`): the log-prob
-    difference. bf16 inputs are exact in TF32, so only summation order is left (bound 1e-3).
+10. the fp32 LM head as the log-prob passes run it (bf16 on CUDA: multiplied into fp32 without a copy, the
+    backward through two bf16 halves of dz) against plain fp32: log-probs (bound 1e-3) and the gradient by
+    the hidden states (2^-7 of its largest; it is stored in bf16).
 11. FlashAttention-2 (flash-attn installed, CUDA, bf16): the sampler's tokens against sdpa's, and its
     recorded trunk against a full forward (check 3's rule), which a wrong decode mask breaks.
 12. the trunk recorded under the CUDA graph against the eager one: the same tokens, and within check 3's
@@ -54,8 +59,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -460,6 +466,7 @@ def check_phases(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool, str
         gradient_checkpointing=speed.gradient_checkpointing,
         trunk_reuse=speed.trunk_reuse,
         shared_prefill=speed.shared_prefill,
+        device_type=s.device.type,
     )
     print_table(ms, peak, estimate)
     clock = "device events, cuBLAS's default workspace" if s.device.type == "cuda" else "host clock"
@@ -545,17 +552,61 @@ def check_determinism(model: torch.nn.Module, optimizer, s: Setup) -> tuple[bool
     return loss_a == loss_b and same and moved, f"losses {loss_a!r}, {loss_b!r}; LoRA weights after: {words}"
 
 
+@contextmanager
+def pinning_alongside(s: Setup) -> Iterator[list[int]]:
+    """A thread that pins the prompts' batch, then keeps allocating page-locked copies of its ids (held, so
+    each is a new cudaHostAlloc), as `trainer.prompts_ahead` pins the next step's batch on CUDA while this
+    step samples, and may capture its decoding step. Yields [pins made]; re-raises the thread's error."""
+    host = data.PromptBatch({k: v.cpu() for k, v in s.prompts.inputs.items()}, s.prompts.images_per_row)
+    done, made, errors, held = threading.Event(), [0], [], []
+
+    def pin() -> None:
+        try:
+            held.append(trainer.pinned(host))
+            while not done.is_set() and len(held) < 10_000:
+                held.append(trainer.pinned(data.PromptBatch({"ids": host.inputs["input_ids"]}, [])))
+                made[0] += 1
+        except Exception as error:  # noqa: BLE001 (handed to the main thread)
+            errors.append(error)
+
+    thread = threading.Thread(target=pin, name="pinning-alongside", daemon=True)
+    thread.start()
+    try:
+        yield made
+    finally:
+        done.set()
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def check_cuda_graph(model: torch.nn.Module, s: Setup) -> tuple[bool | None, str]:
+    """The graph's tokens against eager decoding, captured while another thread pins host memory (the
+    training loop's prompts ahead); the memory the kept graph holds against `memory.decode_graph_bytes`."""
     if s.device.type != "cuda":
+        s.report.append(
+            ("kept decode graph: allocated GiB held between calls; estimate GiB", "SKIP (CUDA only)")
+        )
         return None, "captured on CUDA only"
-    tokens = []
+    tokens, options = [], dict(group_size=s.group_size, record=False, **s.sampling)
     for graph in (False, True):
         plan = speedups.choose(model, speedups.SpeedConfig(cuda_graph=graph), last_k=s.lora.lora_last_k)
         torch.manual_seed(s.seed)
-        options = dict(group_size=s.group_size, record=False, **s.sampling)
-        tokens.append(speedups.sample(model, s.prompts.inputs, plan, **options)[0])
+        torch.cuda.synchronize(s.device)
+        before = torch.cuda.memory_allocated(s.device)
+        with pinning_alongside(s) as pins:
+            tokens.append(speedups.sample(model, s.prompts.inputs, plan, **options)[0])
+        torch.cuda.synchronize(s.device)
+        held = torch.cuda.memory_allocated(s.device) - before - tokens[-1].untyped_storage().nbytes()
+    N, P = s.rows["input_ids"].shape
+    counted = memory.decode_graph_bytes(model.config, N, P, s.sampling["max_new_tokens"], s.dtype.itemsize)
+    s.report.append(
+        ("kept decode graph: allocated GiB held between calls; estimate GiB", f"{gib(held)}; {gib(counted)}")
+    )
     same = int((tokens[0] == tokens[1]).all(dim=1).sum()) if tokens[0].shape == tokens[1].shape else 0
-    return same == tokens[0].shape[0], f"equal tokens for {same} of {tokens[0].shape[0]} rows"
+    figure = f"equal tokens for {same} of {tokens[0].shape[0]} rows, {pins[0]} pins alongside; "
+    figure += f"the kept graph holds {gib(held)} GiB, estimate {gib(counted)} GiB"
+    return same == tokens[0].shape[0] and abs(held / counted - 1) <= 0.25, figure
 
 
 # --- decoding, the head, the kernels: what the first GPU hour measures --------------------------------------
@@ -575,31 +626,66 @@ def sample_seconds(model: torch.nn.Module, s: Setup, max_new_tokens: int, **opti
     return trainer.seconds_between(start, trainer.clock(s.device))
 
 
-def decode_figures(model: torch.nn.Module, s: Setup, **options) -> tuple[float, int]:
-    """(ms per decoded token, tokens timed): a call of T tokens less one of 2 (the prefill, the first token's
-    draw and, under a graph, the warm-up and capture), over the T - 2 steps between them."""
-    T = s.sampling["max_new_tokens"]
-    sample_seconds(model, s, 2, **options)  # a warm-up: lazy allocations, cuBLAS handles
-    short, full = sample_seconds(model, s, 2, **options), sample_seconds(model, s, T, **options)
-    return 1000 * (full - short) / max(T - 2, 1), T - 2
+def decode_figures(model: torch.nn.Module, s: Setup, graphs: speedups.DecodeGraphs | None = None) -> tuple:
+    """(ms per decoded token, steps timed, ms of the capture or None) of ONE sampling call of T tokens: the
+    clock read as each decoding step after the first starts (eager: the model's forward; under a graph: its
+    replay), first to last, over the steps between. Each step is its forward, the draw and the host's work
+    between. One call and one monotonic clock: a difference of two separately timed calls, which load on a
+    shared host can make negative at small shapes, is not used."""
+    marks, capture_ms = [], []
+
+    def eager_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs["input_ids"].shape[1] == 1:  # a decoding step, not the prefill
+            marks.append(trainer.clock(s.device))
+
+    def timed(capture: speedups.Capture) -> speedups.Capture:
+        def run(step: Callable[[], tuple]) -> tuple:
+            start = trainer.clock(s.device)
+            first, static, replay = capture(step)
+            capture_ms.append(1000 * trainer.seconds_between(start, trainer.clock(s.device)))
+            return first, static, lambda: (marks.append(trainer.clock(s.device)), replay())
+
+        return run
+
+    sample_seconds(model, s, 2, capture=graphs)  # a warm-up: lazy allocations, cuBLAS handles
+    if graphs is not None:
+        graphs.capture = timed(graphs.capture)
+        sample_seconds(model, s, s.sampling["max_new_tokens"], capture=graphs)
+    else:
+        with model.base_model.register_forward_pre_hook(eager_step, with_kwargs=True):
+            sample_seconds(model, s, s.sampling["max_new_tokens"])
+        marks = marks[1:]  # from the second step on, as a graph's replays
+    if len(marks) < 2:
+        return None, 0, None
+    seconds = trainer.seconds_between(marks[0], marks[-1])
+    return 1000 * seconds / (len(marks) - 1), len(marks) - 1, capture_ms[-1] if capture_ms else None
 
 
 def check_decode_time(model: torch.nn.Module, s: Setup) -> tuple[bool | None, str]:
-    if s.sampling["max_new_tokens"] < 3:
-        return None, "needs --max-new-tokens >= 3"
-    eager, steps = decode_figures(model, s)
+    if s.sampling["max_new_tokens"] < 4:
+        return None, "needs --max-new-tokens >= 4"
+    eager, steps, _ = decode_figures(model, s)
+    if eager is None:
+        return None, "every row ended before a third decoding step"
     clock = "device events" if s.device.type == "cuda" else "host clock"
     s.report.append((f"decode ms/token, eager ({clock}, {steps} steps)", f"{eager:.2f}"))
     figure = f"eager {eager:.2f} ms/token over {steps} steps ({clock})"
     if s.device.type != "cuda":
         s.report.append(("decode ms/token, CUDA graph replayed", "SKIP (CUDA only)"))
-        return True, f"{figure}; graph: CUDA only"
-    kept = speedups.decode_capture(
-        model, speedups.SpeedConfig(cuda_graph=True)
-    )  # captured once, then replayed
-    graph, _ = decode_figures(model, s, capture=kept)
+        s.report.append(
+            ("decode graph: ms of one capture (warm-up step, capture, instantiation)", "SKIP (CUDA only)")
+        )
+        return eager > 0, f"{figure}; graph: CUDA only"
+    kept = speedups.decode_capture(model, speedups.SpeedConfig(cuda_graph=True))
+    graph, steps, capture_ms = decode_figures(model, s, kept)  # captured once, then replayed
     s.report.append((f"decode ms/token, CUDA graph replayed ({clock}, {steps} steps)", f"{graph:.2f}"))
-    return True, f"{figure}; graph replayed {graph:.2f} ms/token ({eager / graph:.1f}x)"
+    s.report.append(
+        ("decode graph: ms of one capture (warm-up step, capture, instantiation)", f"{capture_ms:.1f}")
+    )
+    return (
+        eager > graph > 0,
+        f"{figure}; graph replayed {graph:.2f} ms/token ({eager / graph:.1f}x), capture {capture_ms:.0f} ms",
+    )
 
 
 def launches(model: torch.nn.Module, s: Setup, max_new_tokens: int, device_kernels: bool) -> int:
@@ -626,30 +712,42 @@ def check_kernel_count(model: torch.nn.Module, s: Setup) -> tuple[bool | None, s
     return per_token > 0, f"{per_token:.0f} {what} per decoded token, eager"
 
 
-def check_tf32_head(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
-    """The LM head on the rows' last hidden states, its matmul in TF32 (speedups.tf32_matmuls, as
-    speedups.head_logits runs it for bf16 operands on CUDA) against plain fp32: the log-probs' difference."""
+def check_fp32_head(model: torch.nn.Module, s: Setup) -> tuple[bool, str]:
+    """The fp32 LM head as the log-prob passes run it (`speedups.logprobs_row_by_row`: on CUDA a bf16 head
+    multiplied into fp32 as it is, its backward through two bf16 halves of dz) against plain fp32 (the
+    hidden states and the weight cast to fp32): log-probs and their gradient by the hidden states."""
     ids, _ = ours(model, s)
-    T, head = ids.shape[1], model.get_output_embeddings()
+    T, weight, rows = ids.shape[1], model.get_output_embeddings().weight, min(8, ids.shape[0])
     with torch.no_grad():
-        hidden = model.base_model(**grpo.recompute_inputs(s.rows, ids), use_cache=False).last_hidden_state
-        hidden, weight32 = hidden[:, -T - 1 : -1], head.weight.float()  # the T positions that predict ids
-        logp = {}
-        for tf32 in (False, True):
-            with speedups.tf32_matmuls(tf32):
-                logits = hidden.float() @ weight32.T  # (N, T, V)
-            logp[tf32] = torch.log_softmax(logits / s.sampling["temperature"], dim=-1)
-            logp[tf32] = logp[tf32].gather(-1, ids[..., None]).squeeze(-1)
-    diff = float((logp[True] - logp[False]).abs().max())
-    s.report.append(("log-prob max abs difference, the fp32 head in TF32 vs fp32", f"{diff:.1e}"))
-    if s.dtype == torch.float32:  # fp32 inputs lose bits in TF32: the head stays fp32 for fp32 models
-        return True, f"max |logp difference| {diff:.1e} (an fp32 model: its head stays fp32; a figure only)"
-    # bf16 inputs (8 significant bits) are exact in TF32 (11) and the products accumulate in fp32: what is
-    # left is summation order. The bound is a first guess for the first GPU run to confirm.
-    return (
-        diff <= 1e-3,
-        f"max |logp difference| {diff:.1e} {'<=' if diff <= 1e-3 else '>'} 1e-3 (bf16 inputs)",
+        inputs = grpo.recompute_inputs(speedups.split_rows(s.rows, rows)[0][1], ids[:rows])
+        hidden = model.base_model(**inputs, use_cache=False).last_hidden_state[:, -T - 1 : -1]  # (rows, T, H)
+    ids, results = ids[:rows], []
+    for h, w in ((hidden, weight), (hidden.float(), weight.float())):  # as run; plain fp32
+        h = h.detach().requires_grad_()
+        logp, _ = speedups.logprobs_row_by_row(
+            h, w, ids, temperature=s.sampling["temperature"], return_entropy=False
+        )
+        logp.sum().backward()
+        results.append((logp.detach(), h.grad.float()))
+    (logp, grad), (logp32, grad32) = results
+    diff, grad_diff = (
+        float((logp - logp32).abs().max()),
+        float(((grad - grad32).abs() / grad32.abs().max()).max()),
     )
+    s.report.append(
+        (
+            "the fp32 head as run vs plain fp32: max abs difference of logp; of the gradient / its largest",
+            f"{diff:.1e}; {grad_diff:.1e}",
+        )
+    )
+    figure = f"max |logp difference| {diff:.1e}, gradient {grad_diff:.1e} of its largest"
+    if s.dtype == torch.float32:
+        return diff == 0 and grad_diff == 0, f"{figure} (an fp32 model: the same matmuls)"
+    # Products of bf16 values are exact in fp32 and summed in fp32: what is left is summation order (and
+    # the gradient's rounding to the hidden states' bf16, 2^-8). The bounds are a first guess for the first
+    # GPU run to confirm.
+    ok = diff <= 1e-3 and grad_diff <= 2**-7
+    return ok, f"{figure} ({'within' if ok else 'beyond'} 1e-3 and 2^-7: bf16 operands)"
 
 
 def trunk_against_full(
@@ -809,7 +907,7 @@ def main(args: Args) -> None:
         # with LoRA in place, as training samples
         "8 decode time per token": lambda: check_decode_time(model, s),
         "9 kernels per decoded token": lambda: check_kernel_count(model, s),
-        "10 fp32 head in TF32 = fp32": lambda: check_tf32_head(model, s),
+        "10 fp32 head as run = fp32": lambda: check_fp32_head(model, s),
         "11 FlashAttention-2 sampler = sdpa": lambda: check_flash_attention(model, s),
         "12 trunk recorded under the graph = eager": lambda: check_graph_trunk(model, s),
     }

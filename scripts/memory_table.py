@@ -4,6 +4,7 @@ with --micro-batch-size auto's choice for a budget (an estimate from shapes, not
     python scripts/memory_table.py                     # the full trainer: B=8, G=8, P=1200, T=256, bf16
     python scripts/memory_table.py --prompt-len 600 --device-gib 40
     python scripts/memory_table.py --reference --batch-size 4 --prompt-len 1258   # README's train.py command
+    python scripts/memory_table.py --cuda-graph         # the decoding step kept as a CUDA graph
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class TableArgs:
     reference: bool = False
     """The reference's step (train.py, the full trainer's plain path): generate on all N rows, full forwards
     of all N rows at once, their (N, T, V) fp32 logits; no micro-batch to choose."""
+    cuda_graph: bool = False
+    """The full trainer with --cuda-graph: its decoding step (StaticCache and graph) kept through the step."""
 
 
 def main(args: TableArgs) -> None:
@@ -46,6 +49,7 @@ def main(args: TableArgs) -> None:
         lora_r=args.lora_r,
         dtype_bytes=args.dtype_bytes,
         group_size=args.group_size,
+        cuda_graph=args.cuda_graph,
     )
     if args.reference:
         shapes |= dict(trunk_reuse=False, shared_prefill=False)

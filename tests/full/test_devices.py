@@ -449,3 +449,18 @@ def test_dist_timeout_ends_a_collective_that_waits_longer_for_a_rank(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("rank 0"))
     assert "rank 0 failed after 1." in line and "Timed out" in line, line
+
+
+
+def test_models_load_without_hub_kernels_in_either_mode():
+    """transformers 5.25 kernelizes what from_pretrained loads unless told not to, and again at each train() /
+    eval() (on CUDA: hub layers in place of RMSNorm and rotary forwards, which LoRA injection, the trunk
+    recording and the log-prob equalities are not tested with; `kernels` refuses the stand-in device above):
+    model_io loads with use_kernels=False, for both trainers, and switching modes keeps it so."""
+    from grpo_vlm import model_files
+
+    model, _, _ = model_files.load_model(model_io.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    for switch in (model.train, model.eval):
+        switch()
+        assert not getattr(model, "use_kernels", False)  # transformers < 5.25: no such attribute
+        assert getattr(model, "kernels_mode", None) is None

@@ -94,12 +94,66 @@ def test_the_estimate_is_within_25_percent_of_a_steps_measured_memory(
         dtype_bytes=dtype.itemsize,
         group_size=4,
         num_params=frozen,
+        device_type="cpu",  # a bf16 head is copied to fp32 here, per sampling call and pass
         **flags,
     )
     made_before = estimated["weights"] + estimated["lora+adam"]  # the step's tensors only
     for phase in ("sampling", "logprob_pass", "update"):
         ratio = (estimated[phase] - made_before) / measured[phase]
         assert 0.75 <= ratio <= 1.25, (phase, ratio)
+
+
+def test_a_kept_decode_graph_holds_the_bytes_the_estimate_counts_for_it():
+    """A sampling call with the graph stand-in that holds a pool as a CUDA graph does (the peak of the bytes
+    its captured step makes): what stays alive after the call, the kept decoder, against
+    `memory.decode_graph_bytes` and the estimate's phases after sampling."""
+    model, tokenizer, _ = random_vlm(hidden=256, layers=4, vocab=4096, dtype=torch.float32)
+    G, T = 4, 16
+    prompts = tokenizer(["a b c d e f g h", "a b c"], return_tensors="pt", padding=True, padding_side="left")
+    inputs = {key: prompts[key] for key in ("input_ids", "attention_mask")}
+
+    def capture(step):  # a graph's memory: the peak of the bytes its step makes, held while it is kept
+        first = step()
+        with memory.track_peak() as made:
+            static = step()
+        pool = torch.empty(made.peak - sum(x.untyped_storage().nbytes() for x in static), dtype=torch.uint8)
+        return first, static, lambda: pool  # the pool lives as long as the replay
+
+    graphs = speedups.DecodeGraphs(capture)
+    options = dict(group_size=G, max_new_tokens=T, temperature=1.0, eos_token_id=[], pad_token_id=0)
+    with memory.track_peak() as counter:
+        speedups.sample_shared_prefill(model, inputs, capture=graphs, **options)
+        held = counter.live  # the call's tensors are gone but the kept decoder's
+    N, P = 2 * G, inputs["input_ids"].shape[1]
+    counted = memory.decode_graph_bytes(model.config, N, P, T, 4)
+    assert 0.75 <= counted / held <= 1.25, (counted, held)
+    shapes = dict(rows=N, prompt_len=P, completion_len=T, last_k=2, lora_r=8, dtype_bytes=4, group_size=G)
+    shapes.update(micro_batch_size=None, gradient_checkpointing=False)
+    kept, plain = (memory.estimate(model.config, **shapes, cuda_graph=on) for on in (True, False))
+    for phase in ("trunk", "logprob_pass", "update"):
+        assert kept[phase] - plain[phase] == counted, phase  # held through the update
+
+
+def test_the_estimate_counts_the_3b_decode_graph_the_attention_masks_and_no_fp32_head_copy_on_cuda():
+    config = Qwen2_5_VLConfig(**memory.QWEN25_VL["3b"])
+    shapes = dict(README_SHAPES, micro_batch_size=None, gradient_checkpointing=False)
+    # 64 rows x (1200 + 256) positions x 36 blocks x (K, V) x 256 x 2 B; the mask; the step's fp32 logits
+    # and their copy; one block's intermediates for 64 tokens; the attention's two masks of one query.
+    cache, mask = 64 * 1456 * 36 * 2 * 256 * 2, 64 * 1456 * 8
+    pool = 2 * 64 * 151936 * 4 + 64 * (3 * 11008 + 6 * 2048) * 2 + 64 * 1456 * 3
+    assert memory.decode_graph_bytes(config, 64, 1200, 256, 2) == cache + mask + pool == 3_519_751_168
+    kept = memory.estimate(config, **shapes, cuda_graph=True)
+    plain = memory.estimate(config, **shapes)
+    assert kept["update"] - plain["update"] == 3_519_751_168  # 3.3 GiB more through the update
+    assert kept["sampling"] - plain["sampling"] == mask + pool  # its cache is the one sampling fills
+    # SDPA's additive mask, (64, 1, S, S) bf16 with S = 1455, saved by each of the K = 4 adapted blocks.
+    narrower = memory.estimate(config, **shapes | dict(last_k=3))
+    per_block = plain["activations"] - narrower["activations"]
+    saved_by_ops = 64 * 1455 * (2 * (7 * 2048 + 2 * 128 + 4 * 11008 + 7 * 16) + 4 * (16 + 2048))
+    assert per_block == saved_by_ops + 64 * 1455 * 1455 * 2 + 64 * 1455 * 4 * 2048  # + the later norm's copy
+    # The sampler's fp32 head on the CPU is a copy of the bf16 weight; on CUDA cuBLAS reads it as it is.
+    cpu = memory.estimate(config, **shapes, device_type="cpu")
+    assert cpu["sampling"] - plain["sampling"] == 151936 * 2048 * 4
 
 
 def test_the_parameter_count_from_the_3b_and_7b_configs_is_the_models():

@@ -93,13 +93,13 @@ def test_a_moved_image_file_gives_an_error_entry_and_the_step_is_still_logged(tm
     (folder / "trainer.jsonl").write_text(
         "".join(json.dumps({**sample, "id": f"s{i}"}) + "\n" for i in range(4))
     )
-    real = trainer.logged_fields
+    real = thumbnails.keep
 
     def moved_after_the_rollout(*args, **kwargs):  # gone after the step read it: the logger finds no file
         (folder / "moved.png").unlink(missing_ok=True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "logged_fields", moved_after_the_rollout)
+    monkeypatch.setattr(thumbnails, "keep", moved_after_the_rollout)
     out = tmp_path / "run"
     flags = dict(SMALL, train_size=4, eval_size=0)
     trainer.main(

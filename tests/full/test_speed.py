@@ -434,8 +434,8 @@ def test_the_decoding_step_reads_no_tensor_value_back_to_the_host():
         position = torch.zeros(N, 1, dtype=torch.long, device="meta")
         written = torch.full((1,), P, dtype=torch.long, device="meta")
         head = model.get_output_embeddings().weight
-        decoder = speedups._Decoder(cache, P, mask, position, written, head32=head)
-        step = speedups._decode_step(model, decoder, head, [], None)
+        decoder = speedups._Decoder(cache, mask, position, written, head=head)
+        step = speedups._decode_step(model, decoder, [], None)
         with torch.no_grad():
             (logits,) = step(torch.zeros(N, 1, dtype=torch.long, device="meta"))
         assert logits.shape == (N, VOCAB) and logits.device.type == "meta"
