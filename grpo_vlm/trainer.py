@@ -151,7 +151,8 @@ class Args:
     dry_run: bool = False
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
-    """Seeds data order, sampling and LoRA initialisation."""
+    """Seeds LoRA's initialisation, the batch order and sampling; not the built-in task's samples nor the
+    shuffle ablation: every seed trains on the same pool and answers the same held-out questions."""
     samples: dataset.DataConfig = dataclasses.field(default_factory=dataset.DataConfig)
     """Samples and prompts (dataset.py, data.py, tasks.py)."""
     sampling: sampling_config.SamplingConfig = dataclasses.field(
@@ -747,7 +748,7 @@ def fit_memory(
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
-    train_samples, held_out = dataset.load_samples(args.samples, seed=args.seed)
+    train_samples, held_out = dataset.load_samples(args.samples)
     too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
     cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
     reward_fns = resolve_rewards(args, None if args.samples.data else args.samples.task)
@@ -778,7 +779,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
-    ablated = dataset.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
+    ablated = dataset.ablate_images(held_out, mode) if mode != "none" and held_out else []  # for every --seed
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")

@@ -139,7 +139,8 @@ class Args:
     max_new_tokens: int = 24
     """Longest completion; one that reaches it without EOS is flagged truncated."""
     seed: int = 0
-    """Seeds sampling and the built-in task's samples."""
+    """Seeds sampling (--num-samples > 1); the built-in task's held-out split is the trainers', whatever
+    --seed."""
 
     # --- output ---
     output: str = "runs/eval/predictions.jsonl"
@@ -168,7 +169,8 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     """The samples, each with `_source` and `_id` (its key in the output), and the built-in task or None."""
     template = dataset.read_prompt_template(args.prompt_template) if args.prompt_template else None
     if not args.data:
-        samples = tasks.make_task(args.task, args.eval_size, split="test", seed=args.seed)
+        # seed 0, as the trainers draw it for every --seed: the questions their runs were evaluated on
+        samples = tasks.make_task(args.task, args.eval_size, split="test", seed=0)
         samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
         return dataset.apply_prompt_template(samples, template), args.task
     samples, seen = [], {}
@@ -512,7 +514,7 @@ def evaluate(args: Args) -> dict[str, dict]:
         with cli.user_errors(), cli.writing(path.with_suffix(".settings.json")):
             outputs.check_settings(path, settings, args.overwrite, PRODUCER, companions=(".summary.json",))
         with cli.user_errors():
-            ablated = dataset.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
+            ablated = dataset.ablate_images(samples, ablation) if ablation else samples  # as the trainer's
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:

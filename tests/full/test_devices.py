@@ -299,7 +299,7 @@ def test_split_rows_keeps_each_chunks_images_on_their_device(other_device):
 def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(other_device):
     args = trainer.Args(batch_size=2, group_size=2, max_sampling_rounds=1, dynamic_sampling=True)
     args.samples.train_size, args.samples.eval_size = 4, 0
-    samples, _ = dataset.load_samples(args.samples, seed=0)
+    samples, _ = dataset.load_samples(args.samples)
     path = model_io.DEFAULT_MODEL
     tokenizer, image_processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
     tokenizer.padding_side = "left"
