@@ -14,7 +14,10 @@ of the k correct), `format_valid` (samples with a `label` only), `completion_tok
 `ground_truth` (whichever of label / answer / bbox / boxes / region / count the sample has).
 
 k = --num-samples. k = 1 decodes greedily (--temperature is ignored); k > 1 samples k completions per
-prompt at --temperature / --top-p, and pass@k is the share of samples with any correct. Each batch of
+prompt at --temperature / --top-p, and the summary gives pass@1 .. pass@k from those same k samples by the
+unbiased estimator of Chen et al. 2021 (grpo_vlm/pass_at_k.py: 1 - C(k - c, j) / C(k, j) per prompt with c
+correct, averaged): pass@1 is the share of correct completions, pass@k the share of samples with any
+correct, and the curve between shows whether training sharpened pass@1 or widened pass@k. Each batch of
 --batch-size samples is seeded from --seed and its index, so the draws do not depend on what ran before:
 a resumed run, and both columns of --compare, draw the same completions as an uninterrupted single run.
 
@@ -29,8 +32,8 @@ script's output): it is refused, left as it is, unless --overwrite replaces it.
 
 Summary: printed and written atomically to `<output stem>.summary.json`, computed from ALL lines of the
 output file (so a resumed run's summary covers every sample): accuracy (share of correct completions),
-pass@k, mean total reward and mean of each component, format-valid fraction (share of completions with
-format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
+pass@1 .. pass@k, mean total reward and mean of each component, format-valid fraction (share of completions
+with format reward 1; only when samples have a `label`), mean completion length, fraction truncated.
 
 --image-ablation blank|shuffle evaluates the same samples again with every image replaced by a grey one of
 the same size, or with the images permuted across samples (dataset.ablate_images), and reports those columns
@@ -84,6 +87,7 @@ from grpo_vlm import (
     grounding,
     model_files,
     multiturn,
+    pass_at_k,
     sampling_config,
     scoring,
     speedups,
@@ -284,13 +288,15 @@ def _mean(values) -> float:
 
 
 def summarise(records: list[dict]) -> dict:
-    """Accuracy, pass@k, reward means, format-valid fraction, lengths; over every line of the output."""
+    """Accuracy, pass@1 .. pass@k (unbiased, from each line's k completions), reward means, format-valid
+    fraction, lengths; over every line of the output."""
     if not records:
         return {"samples": 0}
-    k = max(len(r["completions"]) for r in records)
     summary = {"samples": len(records), "completions": sum(len(r["completions"]) for r in records)}
     summary["accuracy"] = _mean(c for r in records for c in r["correct"])
-    summary[f"pass@{k}"] = _mean(r["pass_at_k"] for r in records)
+    counts = [(len(r["correct"]), sum(r["correct"])) for r in records]  # (n, c) per sample
+    for k in range(1, min(n for n, _ in counts) + 1):  # the settings file gives every line the same n
+        summary[f"pass@{k}"] = _mean(pass_at_k.pass_at_k(n, c, k) for n, c in counts)
     summary["reward/mean"] = _mean(t for r in records for t in r["total"])
     for name in records[0]["rewards"]:
         summary[f"reward/{name}/mean"] = _mean(v for r in records for v in r["rewards"][name])
