@@ -115,7 +115,8 @@ class Args:
     steps: int = 100
     """Number of training steps (rollout batches)."""
     lr: float = 2e-3
-    """Peak learning rate of AdamW on the LoRA parameters (tiny model; use ~1e-5..5e-5 on real models)."""
+    """Peak learning rate of AdamW on the LoRA parameters (tiny model; use ~1e-5..5e-5 on real models). 0: the
+    no-update control, LoRA stays as initialised (B = 0: the base model), every step sampled and scored."""
     warmup_steps: int = 5
     """Linear warm-up steps before the cosine decay."""
     weight_decay: float = 0.0
@@ -661,7 +662,7 @@ def check_args(args: Args) -> None:
         ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
         ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
         ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
-        ("--lr", a.lr > 0 and math.isfinite(a.lr), "must be a positive number (e.g. 2e-5 on real models)"),
+        ("--lr", a.lr >= 0 and math.isfinite(a.lr), "must be a number >= 0 (0: the no-update control)"),
         ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
         ("--weight-decay", a.weight_decay >= 0, "must be >= 0"),
         ("--max-grad-norm", a.max_grad_norm > 0, "must be > 0"),
