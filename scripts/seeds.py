@@ -248,6 +248,20 @@ class Runner:
             pool.shutdown(wait=True)
 
 
+def forget_unfinished(out: Path, settings: dict[str, str], seeds: tuple[int, ...]) -> None:
+    """After a stop: the stopped runs' folders and logs go (a rerun runs them afresh), and the marker too if
+    no seed finished, so that a stop soon after the start leaves nothing behind."""
+    for name, command in settings.items():
+        for seed in seeds:
+            if not finished(out, name, command, seed):
+                shutil.rmtree(run_dir(out, name, seed), ignore_errors=True)
+                (out / slug(name) / f"seed-{seed}.log").unlink(missing_ok=True)
+        if (out / slug(name)).is_dir() and not any((out / slug(name)).iterdir()):
+            (out / slug(name)).rmdir()
+    if not [p for p in out.iterdir() if p.name not in (MARKER, ".lock")]:
+        (out / MARKER).unlink(missing_ok=True)
+
+
 # --- Reading and reporting ----------------------------------------------------------------------------------
 
 
@@ -426,7 +440,8 @@ def main(args: Args) -> dict:
         if not args.table_only:
             try:
                 Runner(args, out, settings).all()
-            except cli.Stopped:
+            except (cli.Stopped, KeyboardInterrupt):
+                forget_unfinished(out, settings, args.seeds)
                 raise cli.Stopped(f"stopped; the finished seeds are in {out}, a rerun continues") from None
         return report(args, out, settings)
 

@@ -4,8 +4,11 @@ control; resuming; refusals; and two real tiny runs of `python train.py`."""
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,13 @@ value = lambda flag: argv[argv.index(flag) + 1]
 seed, out = int(value("--seed")), Path(value("--output-dir"))
 if "--fail" in argv:
     print("error: --fail: this run fails"); sys.exit(2)
+if "--sleep" in argv:  # a long run that stops cleanly (130) on SIGINT or SIGTERM, as the trainers do
+    import signal, time
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: sys.exit(130))
+    out.mkdir(parents=True)
+    print("started", flush=True)
+    time.sleep(120)
 curve = [float(v) for v in value("--curves").split("/")[seed].split(",")]
 out.mkdir(parents=True)
 lines = [json.dumps({"step": step, "eval/accuracy": v, "loss": 0.1}) for step, v in zip((0, 10), curve)]
@@ -158,3 +168,25 @@ def test_two_real_tiny_reference_runs_start_from_the_same_held_out_accuracy(tmp_
     per_seed = summary["per_seed"]["trained"]
     assert set(per_seed) == {0, 1} and all(set(points) == {0, 1} for points in per_seed.values())
     assert summary["spread"]["trained"][0].std == 0.0  # step 0: one held-out set, one base model, any seed
+
+
+def test_ctrl_c_stops_the_runs_exits_130_without_a_traceback_and_leaves_nothing(tmp_path, fake):
+    out = tmp_path / "sweep"
+    argv = [sys.executable, str(ROOT / "scripts" / "seeds.py"), "--out", str(out), "--seeds", "0", "1"]
+    child = subprocess.Popen(
+        [*argv, "--run", f"slow={fake} --sleep"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, which a terminal's Ctrl-C reaches as a whole
+    )
+    log = out / "slow" / "seed-0.log"
+    deadline = time.time() + 120
+    while not (log.is_file() and "started" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(child.pid, signal.SIGINT)
+    stdout, stderr = child.communicate(timeout=120)
+    assert child.returncode == 130, (stdout + stderr)[-3000:]
+    assert "Traceback" not in stdout + stderr and "a rerun continues" in stderr
+    assert not out.exists()  # the stopped run's folder and log, the marker and the lock: all gone
