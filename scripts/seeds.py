@@ -17,12 +17,12 @@ folder left unfinished is deleted and run again). A finished seed recorded with 
 
 What it reports, from each run's metrics.jsonl (`--metric`, default eval/accuracy, the greedy held-out
 accuracy both trainers log): a table with, per evaluation step, the mean ± std [min, max] over the seeds of
-every setting, then each setting minus each control with the same seeds paired (the same seed's held-out
-questions are every seed's: the difference per seed, then its mean ± std [min, max]), and one line per
-pair: the setting "learns" only where its mean difference from the control at the last evaluation is more
-than twice the spread of those differences. The figure: one panel per setting, one thin line per seed, the
-mean bold, each control beside it in the same panel. All of it goes to OUT/table.md, OUT/summary.json and
-the figure (--figure, default OUT/seeds.png).
+every setting, then each setting minus each control, seed S paired with seed S (every seed answers the
+same held-out questions, and the two runs start from the same LoRA initialisation): the difference per seed,
+then its mean ± std [min, max]; and one line per pair: the setting "learns" only where its mean difference
+from the control at the last evaluation is more than twice the spread of those differences. The figure: one
+panel per setting, one thin line per seed, the mean bold, each control beside it in the same panel. All of
+it goes to OUT/table.md, OUT/summary.json and the figure (--figure, default OUT/seeds.png).
 
 Choices:
 - std is the sample standard deviation (n - 1): a handful of seeds estimates the spread of all seeds, and
