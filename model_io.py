@@ -45,7 +45,7 @@ def load_model(name_or_path: str, *, device: torch.device | str, dtype: torch.dt
         raise ValueError(f"cannot load a model config from {name_or_path!r}: {e}") from e
     is_vlm = getattr(config, "vision_config", None) is not None
     model_class = transformers.AutoModelForImageTextToText if is_vlm else transformers.AutoModelForCausalLM
-    model = model_class.from_pretrained(name_or_path, dtype=dtype)  # transformers' attention: sdpa
+    model = model_class.from_pretrained(name_or_path, dtype=dtype, use_kernels=False)  # sdpa, no hub kernel
     model.to(device).requires_grad_(False).eval()  # frozen, no dropout: the trainer adds LoRA and switches
     tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
     tokenizer.padding_side = "left"

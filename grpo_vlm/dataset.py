@@ -86,8 +86,10 @@ class DataConfig:
                 raise ValueError(f"{flag}: {path} does not exist (or is not a file)")
 
 
-def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template)."""
+def load_samples(config: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) samples from the JSONL files or the built-in task, summaries rendered (template).
+    The built-in task's two splits are drawn with seed 0 whatever --seed, as data.load_samples draws them:
+    runs of several seeds train on the same pool and answer the same held-out questions."""
     if config.data:
         train = []
         for path in config.data:
@@ -95,8 +97,8 @@ def load_samples(config: DataConfig, *, seed: int) -> tuple[list[dict], list[dic
             print(f"loaded {len(loaded)} samples from {path}")
         held_out = read_samples(config.eval_data)[: config.eval_size] if config.eval_data else []
     else:
-        train = tasks.make_task(config.task, config.train_size, seed=seed)
-        held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=seed)
+        train = tasks.make_task(config.task, config.train_size, split="train", seed=0)
+        held_out = tasks.make_task(config.task, config.eval_size, split="test", seed=0)
     template = read_prompt_template(config.prompt_template) if config.prompt_template else None
     return apply_prompt_template(train, template), apply_prompt_template(held_out, template)
 

@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib.util
 import json
 import math
@@ -63,6 +64,7 @@ from grpo_vlm import (
     model_files,
     multiturn,
     objectives,
+    pass_at_k,
     plugins,
     report,
     sampling_config,
@@ -113,7 +115,8 @@ class Args:
     steps: int = 100
     """Number of training steps (rollout batches)."""
     lr: float = 2e-3
-    """Peak learning rate of AdamW on the LoRA parameters (tiny model; use ~1e-5..5e-5 on real models)."""
+    """Peak learning rate of AdamW on the LoRA parameters (tiny model; use ~1e-5..5e-5 on real models). 0: the
+    no-update control, LoRA stays as initialised (B = 0: the base model), every step sampled and scored."""
     warmup_steps: int = 5
     """Linear warm-up steps before the cosine decay."""
     weight_decay: float = 0.0
@@ -138,6 +141,10 @@ class Args:
     eval_image_ablation: Literal["none", "blank", "shuffle"] = "none"
     """Also evaluate with every image grey (blank) or the images permuted across samples (shuffle), logged as
     eval/accuracy_<mode>: does the policy look at the images?"""
+    eval_num_samples: int = 0
+    """Also sample n completions of each held-out prompt at the training temperature and log eval/pass@1 ..
+    eval/pass@n, by the unbiased estimator from those same n (pass_at_k.py): did GRPO sharpen pass@1 or
+    widen pass@n? 0: off. Its draws are seeded apart from training's, which they leave unchanged."""
     save_every: int = 50
     """Checkpoint every this many steps (and at the end)."""
     keep_last: int = 2
@@ -151,7 +158,8 @@ class Args:
     dry_run: bool = False
     """Load model and data, run one rollout, one reward pass and one loss without updating, print, exit."""
     seed: int = 0
-    """Seeds data order, sampling and LoRA initialisation."""
+    """Seeds LoRA's initialisation, the batch order and sampling; not the built-in task's samples nor the
+    shuffle ablation: every seed trains on the same pool and answers the same held-out questions."""
     samples: dataset.DataConfig = dataclasses.field(default_factory=dataset.DataConfig)
     """Samples and prompts (dataset.py, data.py, tasks.py)."""
     sampling: sampling_config.SamplingConfig = dataclasses.field(
@@ -705,8 +713,8 @@ def check_args(args: Args) -> None:
         ("--group-size", a.group_size >= 2, "must be >= 2: each completion is compared with its group"),
         ("--num-iterations", a.num_iterations >= 1, "must be >= 1"),
         ("--max-sampling-rounds", a.max_sampling_rounds >= 1, "must be >= 1"),
-        # NOTE: AdamW moves each weight by about lr a step: beyond 1 the adapters' outputs overflow at once
-        ("--lr", 0 < a.lr <= 1, "must be in (0, 1] (e.g. 2e-5 on real models)"),
+        # NOTE: AdamW moves each weight by about lr a step: from 1 on the adapters' outputs overflow at once
+        ("--lr", 0 <= a.lr < 1, "must be in [0, 1) (0: the no-update control; e.g. 2e-5 on real models)"),
         ("--warmup-steps", a.warmup_steps >= 0, "must be >= 0"),
         # AdamW scales each weight by 1 - lr * weight_decay a step: past 1 it flips its sign, past 2 grows it
         ("--weight-decay", 0 <= a.weight_decay * a.lr <= 1, "must be >= 0 with --lr x --weight-decay <= 1"),
@@ -715,6 +723,7 @@ def check_args(args: Args) -> None:
         ("--log-every", a.log_every >= 1, "must be >= 1"),
         ("--log-completions-every", a.log_completions_every >= 0, "must be >= 0 (0: never)"),
         ("--eval-every", a.eval_every >= 1, "must be >= 1"),
+        ("--eval-num-samples", a.eval_num_samples >= 0, "must be >= 0 (0: off)"),
         ("--save-every", a.save_every >= 1, "must be >= 1"),
         ("--keep-last", a.keep_last >= 1, "must be >= 1"),
         # NOTE: Qwen2/2.5-VL were trained in bf16; in fp16 their activations overflow (transformers#33294,
@@ -823,7 +832,7 @@ def fit_memory(
 def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, world: int) -> Run:
     """Data, rewards, model, LoRA and optimizer. Everything a user can get wrong fails here, before any
     rollout: data, images, prompt lengths, rewards, model path, LoRA placement."""
-    train_samples, held_out = dataset.load_samples(args.samples, seed=args.seed)
+    train_samples, held_out = dataset.load_samples(args.samples)
     too_few = f"{len(train_samples)} training samples for {world} ranks x {args.batch_size} prompts"
     cli.check(world == 1 or len(train_samples) >= args.batch_size * world, "--batch-size", too_few)
     reward_fns = resolve_rewards(args, None if args.samples.data else args.samples.task)
@@ -854,7 +863,7 @@ def build_run(args: Args, device: torch.device, dtype: torch.dtype, rank: int, w
     print_if(rank == 0 and bool(lines), "\n".join(lines))
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     mode = args.eval_image_ablation
-    ablated = dataset.ablate_images(held_out, mode, seed=args.seed) if mode != "none" and held_out else []
+    ablated = dataset.ablate_images(held_out, mode) if mode != "none" and held_out else []  # for every --seed
     scheduler = model_io.cosine_with_warmup(optimizer, warmup_steps=args.warmup_steps, total_steps=args.steps)
     # NOTE: the schedule counts skipped steps too; torch warns when the first one is skipped: intended.
     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -955,7 +964,7 @@ def resume_from(path: str, out: Path, run: Run) -> tuple[int, float, str]:
 # fast it runs (speed-ups and devices of one kind give equal results to rounding), never a step's computation.
 RESUME_MAY_CHANGE = {
     *("steps", "device", "log_every", "log_completions_every", "report_to", "eval_every"),
-    *("eval_image_ablation", "save_every", "keep_last", "max_bad_steps"),
+    *("eval_image_ablation", "eval_num_samples", "save_every", "keep_last", "max_bad_steps"),
     *("output_dir", "resume", "overwrite", "dry_run"),
     *(field.name for field in dataclasses.fields(speedups.SpeedConfig)),
 }
@@ -1038,8 +1047,9 @@ EVAL_BATCH_SIZE = 50
 
 
 @torch.no_grad()
-def evaluate(run: Run, args: Args) -> tuple[dict, list[dict], dict[str, bytes]]:
-    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's.
+def evaluate(run: Run, args: Args, step: int = 0) -> tuple[dict, list[dict], dict[str, bytes]]:
+    """Greedy held-out accuracy (accuracy reward == 1) and mean reward; also with --eval-image-ablation's;
+    with --eval-num-samples n, eval/pass@1 .. pass@n (`pass_at_k_sums`, its draws seeded by `step`).
     Also each held-out sample's record for eval_samples.jsonl (the main set's, in held-out order) and the
     thumbnails they name that no rank handed to the writer before (file name -> JPEG).
     Under torchrun rank r decodes batches r, r + R, ... and the ranks' sums and records are gathered: every
@@ -1051,6 +1061,7 @@ def evaluate(run: Run, args: Args) -> tuple[dict, list[dict], dict[str, bytes]]:
         # the main set's per-sample records only: the ablated copy's are not logged
         per_set = [held_out_sums(run, samples, args, records=not i) for i, (_, samples) in enumerate(sets)]
         mine = {"sums": [sums for sums, _, _ in per_set], "samples": per_set[0][1], "files": per_set[0][2]}
+        mine["pass"] = pass_at_k_sums(run, run.held_out, args, step) if args.eval_num_samples else []
     except (Exception, cli.Stopped) as error:
         distributed.gather_lists([{"failed": getattr(error, "user_message", None) or str(error)}])
         raise
@@ -1065,6 +1076,8 @@ def evaluate(run: Run, args: Args) -> tuple[dict, list[dict], dict[str, bytes]]:
             scores[f"eval/reward{suffix}"] = sum(r["sums"][i][1] for r in ranks) / len(samples)
         if samples and run.tools is not None:  # calls per completion
             scores[f"eval/tools/calls{suffix}"] = sum(r["sums"][i][2] for r in ranks) / len(samples)
+    for k in range(1, args.eval_num_samples + 1):
+        scores[f"eval/pass@{k}"] = sum(r["pass"][k - 1] for r in ranks) / len(run.held_out)
     records = sorted((record for r in ranks for record in r["samples"]), key=lambda record: record["index"])
     return scores, records, merged([r["files"] for r in ranks])
 
@@ -1106,6 +1119,43 @@ def held_out_sums(
             )
             logged, made = logged + new, made | files
     return (sum(correct), sum(totals), calls), logged, made
+
+
+@torch.no_grad()
+def pass_at_k_sums(run: Run, samples: list[dict], args: Args, step: int) -> list[float]:
+    """Over this rank's prompts of `samples`, the sums of pass@1 .. pass@n (pass_at_k.py), n = --eval-num-
+    samples completions each sampled as training samples them (temperature, top-p, speed-ups), the accuracy
+    reward >= 1 counted correct. Batches of about EVAL_BATCH_SIZE rows, rank r's are r, r + R, ...; each batch
+    draws from its own seed, (--seed, step, batch), inside torch.random.fork_rng: training's random stream
+    is left as it was, and every number of ranks draws the same completions."""
+    n, ends = args.eval_num_samples, run.sampling["eos_token_id"]
+    size = max(1, EVAL_BATCH_SIZE // n)  # prompts a batch
+    sums, devices = [0.0] * n, [] if run.device.type == "cpu" else [run.device]
+    for i in range(run.rank * size, len(samples), run.world * size):
+        chunk = samples[i : i + size]
+        batch = prompt_batch(run, chunk, args)
+        chunk = dataset.with_grounding(chunk, run.image_processor, run.box_frame)
+        key = hashlib.sha256(f"eval pass@k/{args.seed}/{step}/{i // size}".encode()).digest()
+        with torch.random.fork_rng(devices, device_type=None if not devices else run.device.type):
+            torch.manual_seed(int.from_bytes(key[:8], "little"))  # 64 bits, apart from every training seed
+            if run.tools is None:  # rows b*n .. b*n + n - 1 are prompt b's
+                options = dict(run.sampling, group_size=n, record=False)
+                ids, _ = speedups.sample(run.model, batch.inputs, run.speed, **options)  # (B*n, T)
+                mask, _ = grpo.completion_mask(ids, ends)
+                texts = data.decode_completions(run.tokenizer, ids, mask, ends)
+                rows = [sample for sample in chunk for _ in range(n)]
+            else:
+                rollouts = multiturn.sample(
+                    run.model, batch, chunk, run.tools, group_size=n, sampling=run.sampling
+                )
+                texts, rows, mask = rollouts.texts, rollouts.samples, rollouts.mask
+        lengths, timeout = mask.sum(1).tolist(), args.rewards.reward_timeout
+        scores = scoring.score(texts, rows, run.reward_fns, completion_lengths=lengths, timeout=timeout)
+        correct = [v >= 1.0 for v in scores.components[run.accuracy_name]]
+        for b in range(len(chunk)):
+            c = sum(correct[b * n : (b + 1) * n])
+            sums = [total + pass_at_k.pass_at_k(n, c, k) for k, total in enumerate(sums, start=1)]
+    return sums
 
 
 def eval_records(
@@ -1256,7 +1306,7 @@ def train_loop(
             evaluated = []  # eval_samples.jsonl's records of this step's evaluation
             try:  # every rank evaluates its share; a failure on one is raised on all (`evaluate`)
                 if run.held_out and (step % args.eval_every == 0 or step == args.steps):
-                    scores, evaluated, eval_made = evaluate(run, args)
+                    scores, evaluated, eval_made = evaluate(run, args, step)
                     record.update(scores)
                     made |= eval_made
             except (Exception, cli.Stopped) as error:  # the step's update is done: logged and saved without

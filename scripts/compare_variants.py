@@ -1,13 +1,17 @@
 """Train the default demo with each GRPO variant and several seeds, then print the README's comparison table.
 
-    python scripts/compare_variants.py                       # 7 variants x 3 seeds, two runs at a time
-    python scripts/compare_variants.py --seeds 0 --parallel 1 --extra-flags --num-iterations 2
+    python scripts/compare_variants.py                       # 8 variants x 3 seeds, two runs at a time
+    python scripts/compare_variants.py --seeds 0 1 --parallel 1 --extra-flags --num-iterations 2
     python scripts/compare_variants.py --table-only          # re-read the finished runs, print the table
 
 Each run is `python -m grpo_vlm --seed S --eval-every 50 --output-dir <out>/<variant>-s<S> <flags>` with one
 torch thread; its wall time is measured around the process. A finished run (its metrics.jsonl reaches the
-last step) is not run again. The table gives the held-out accuracy at steps 50 and 100 for every seed, the
-median wall time and, for dynamic sampling, the mean number of groups sampled per step.
+last step) is not run again. The table gives, per variant, the held-out accuracy at steps 50 and 100 as
+mean ± std [min, max] over the seeds (sample std, scripts/seeds.py's `spread`), its difference from the
+default variant (dapo) at the last step, seed by seed (each seed's runs answer the same held-out questions
+and start from the same LoRA initialisation), as mean ± std [min, max], the median wall time and, for
+dynamic sampling, the mean number of groups sampled per step. A comparison is never one pair of runs: a
+difference within twice its spread is no difference this grid can show.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from grpo_vlm import cli
-from scripts import outputs
+from scripts import outputs, seeds
 
 VARIANTS = {  # name -> (label, flags)
+    "dapo": ("DAPO (the default: token-mean loss, clip-higher)", ""),
     "grpo": ("GRPO (z-score, per-sequence mean)", "--loss-type grpo"),
     "dr_grpo": ("Dr. GRPO", "--loss-type dr_grpo --adv-scale none"),
     "dapo_ds": ("DAPO + dynamic sampling", "--loss-type dapo --dynamic-sampling"),
@@ -86,29 +91,37 @@ def finished(out: Path, steps: int) -> bool:
     )
 
 
+BASELINE = "dapo"  # each variant's difference is taken from this one's runs, seed by seed
+
+
+def evaluations(out: Path) -> tuple[dict[int, float], list[dict]]:
+    """{step: held-out accuracy} of a run, and its metrics.jsonl records."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}, records
+
+
 def table(args: Args) -> str:
-    header = (
-        "variant | flags | accuracy @50 (per seed) | accuracy @100 | wall (median) | groups sampled / step"
-    )
-    rows = [f"| {header} |", "|---|---|---|---|---|---|"]
-    for name in args.variants:
-        at50, at100, walls, sampled = [], [], [], []
+    header = "variant | flags | accuracy @50 | accuracy @100 | @100 minus the default, per seed"
+    rows = [f"| {header} | wall (median) | groups sampled / step |", "|---|---|---|---|---|---|---|"]
+    last: dict[str, dict[int, float]] = {}  # variant -> {seed: accuracy at the last step}
+    for name in sorted(args.variants, key=lambda name: name != BASELINE):  # the default first
+        at50, walls, sampled, last[name] = [], [], [], {}
         for seed in args.seeds:
             out = Path(args.out) / f"{name}-s{seed}"
-            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            evals = {r["step"]: r["eval/accuracy"] for r in records if "eval/accuracy" in r}
-            at50.append(evals[50])
-            at100.append(evals[args.steps])
+            evals, records = evaluations(out)
+            at50 += [evals[50]] if 50 in evals else []
+            last[name][seed] = evals[args.steps]
             walls.append(float(Path(f"{out}.time").read_text()))
             sampled += [r["dynamic/groups_sampled"] for r in records if "dynamic/groups_sampled" in r]
-        cells = [
-            " / ".join(f"{a:.3f}" for a in accs) + f" (mean {statistics.mean(accs):.3f})"
-            for accs in (at50, at100)
-        ]
+        cells = [str(seeds.spread(values)) if values else "-" for values in (at50, list(last[name].values()))]
+        base = last.get(BASELINE)
+        paired = [last[name][s] - base[s] for s in args.seeds] if base and name != BASELINE else []
+        cells.append(seeds.spread(paired).signed() if paired else "-")
         groups = f"{statistics.mean(sampled):.2f}" if sampled else "-"
         label, flags = VARIANTS[name]
+        flags = f"`{flags}`" if flags else "(none)"
         rows.append(
-            f"| {label} | `{flags}` | {cells[0]} | {cells[1]} | {statistics.median(walls):.0f} s | {groups} |"
+            f"| {label} | {flags} | {' | '.join(cells)} | {statistics.median(walls):.0f} s | {groups} |"
         )
     return "\n".join(rows)
 

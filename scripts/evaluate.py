@@ -14,7 +14,10 @@ of the k correct), `format_valid` (samples with a `label` only), `completion_tok
 `ground_truth` (whichever of label / answer / bbox / boxes / region / count the sample has).
 
 k = --num-samples. k = 1 decodes greedily (--temperature is ignored); k > 1 samples k completions per
-prompt at --temperature / --top-p, and pass@k is the share of samples with any correct. Each batch of
+prompt at --temperature / --top-p, and the summary gives pass@1 .. pass@k from those same k samples by the
+unbiased estimator of Chen et al. 2021 (grpo_vlm/pass_at_k.py: 1 - C(k - c, j) / C(k, j) per prompt with c
+correct, averaged): pass@1 is the share of correct completions, pass@k the share of samples with any
+correct, and the curve between shows whether training sharpened pass@1 or widened pass@k. Each batch of
 --batch-size samples is seeded from --seed and its index, so the draws do not depend on what ran before:
 a resumed run, and both columns of --compare, draw the same completions as an uninterrupted single run.
 
@@ -29,8 +32,8 @@ script's output): it is refused, left as it is, unless --overwrite replaces it.
 
 Summary: printed and written atomically to `<output stem>.summary.json`, computed from ALL lines of the
 output file (so a resumed run's summary covers every sample): accuracy (share of correct completions),
-pass@k, mean total reward and mean of each component, format-valid fraction (share of completions with
-format reward 1; only when samples have a `label`), mean completion length, fraction truncated. A mean
+pass@1 .. pass@k, mean total reward and mean of each component, format-valid fraction (share of completions
+with format reward 1; only when samples have a `label`), mean completion length, fraction truncated. A mean
 leaves out a value that is no finite number (NaN or Infinity an older version wrote: null when none is left).
 
 --image-ablation blank|shuffle evaluates the same samples again with every image replaced by a grey one of
@@ -87,6 +90,7 @@ from grpo_vlm import (
     grounding,
     model_files,
     multiturn,
+    pass_at_k,
     sampling_config,
     scoring,
     speedups,
@@ -142,7 +146,8 @@ class Args:
     max_new_tokens: int = 24
     """Longest completion; one that reaches it without EOS is flagged truncated."""
     seed: int = 0
-    """Seeds sampling and the built-in task's samples."""
+    """Seeds sampling (--num-samples > 1); the built-in task's held-out split is the trainers', whatever
+    --seed."""
 
     # --- output ---
     output: str = "runs/eval/predictions.jsonl"
@@ -171,7 +176,8 @@ def load_eval_samples(args: Args) -> tuple[list[dict], str | None]:
     """The samples, each with `_source` and `_id` (its key in the output), and the built-in task or None."""
     template = dataset.read_prompt_template(args.prompt_template) if args.prompt_template else None
     if not args.data:
-        samples = tasks.make_task(args.task, args.eval_size, split="test", seed=args.seed)
+        # seed 0, as the trainers draw it for every --seed: the questions their runs were evaluated on
+        samples = tasks.make_task(args.task, args.eval_size, split="test", seed=0)
         samples = [{**s, "_source": f"builtin:{args.task}", "_id": s["id"]} for s in samples]
         return dataset.apply_prompt_template(samples, template), args.task
     samples, seen = [], {}
@@ -287,13 +293,15 @@ def _mean(values) -> float | None:
 
 
 def summarise(records: list[dict]) -> dict:
-    """Accuracy, pass@k, reward means, format-valid fraction, lengths; over every line of the output."""
+    """Accuracy, pass@1 .. pass@k (unbiased, from each line's k completions), reward means, format-valid
+    fraction, lengths; over every line of the output."""
     if not records:
         return {"samples": 0}
-    k = max(len(r["completions"]) for r in records)
     summary = {"samples": len(records), "completions": sum(len(r["completions"]) for r in records)}
     summary["accuracy"] = _mean(c for r in records for c in r["correct"])
-    summary[f"pass@{k}"] = _mean(r["pass_at_k"] for r in records)
+    counts = [(len(r["correct"]), sum(r["correct"])) for r in records]  # (n, c) per sample
+    for k in range(1, min(n for n, _ in counts) + 1):  # the settings file gives every line the same n
+        summary[f"pass@{k}"] = _mean(pass_at_k.pass_at_k(n, c, k) for n, c in counts)
     summary["reward/mean"] = _mean(t for r in records for t in r["total"])
     for name in records[0]["rewards"]:
         summary[f"reward/{name}/mean"] = _mean(v for r in records for v in r["rewards"][name])
@@ -518,7 +526,7 @@ def evaluate(args: Args) -> dict[str, dict]:
         with cli.user_errors(), cli.writing(path.with_suffix(".settings.json")):
             outputs.check_settings(path, settings, args.overwrite, PRODUCER, companions=(".summary.json",))
         with cli.user_errors():
-            ablated = dataset.ablate_images(samples, ablation, seed=args.seed) if ablation else samples
+            ablated = dataset.ablate_images(samples, ablation) if ablation else samples  # as the trainer's
         # The base column of --compare: the same model with its adapters switched off (exactly the base).
         off = lora.adapters_disabled(model) if args.adapter and not adapter_on else contextlib.nullcontext()
         with off:

@@ -299,7 +299,7 @@ def test_split_rows_keeps_each_chunks_images_on_their_device(other_device):
 def test_dynamic_samplings_rollout_of_the_kept_groups_is_made_on_the_run_device(other_device):
     args = trainer.Args(batch_size=2, group_size=2, max_sampling_rounds=1, dynamic_sampling=True)
     args.samples.train_size, args.samples.eval_size = 4, 0
-    samples, _ = dataset.load_samples(args.samples, seed=0)
+    samples, _ = dataset.load_samples(args.samples)
     path = model_io.DEFAULT_MODEL
     tokenizer, image_processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
     tokenizer.padding_side = "left"
@@ -449,7 +449,6 @@ def test_dist_timeout_ends_a_collective_that_waits_longer_for_a_rank(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("rank 0"))
     assert "rank 0 failed after 1." in line and "Timed out" in line, line
-
 
 
 def test_models_load_without_hub_kernels_in_either_mode():

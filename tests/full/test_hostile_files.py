@@ -184,7 +184,7 @@ def test_data_that_cannot_mean_what_it_says_is_refused_naming_file_line_and_fiel
     tokenizer, processor = tiny_processors
     limit = dict(max_prompt_length=4096, max_image_pixels=config.max_image_pixels)
     with pytest.raises(Exception) as info, cli.user_errors():
-        train, _ = dataset.load_samples(config, seed=0)
+        train, _ = dataset.load_samples(config)
         dataset.check_samples(train, tokenizer, processor, **limit)
     line = one_line(info.value)
     where = f"--prompt-template {config.prompt_template}: " if template is not None else f"{data}:1"

@@ -39,8 +39,8 @@ def error_line(child: subprocess.CompletedProcess) -> str:
 # --- flags that would overflow later: refused before anything loads ---------------------------------------
 
 OVERFLOWING = {
-    "--lr 1e30": (dict(lr=1e30), "--lr: must be in (0, 1]"),
-    "--clip-eps-high 1e308": (dict(clip_eps_high=1e308), "--clip-eps-high: must be at most 1e+30"),
+    "--lr 1e30": (dict(lr=1e30), "--lr: must be in [0, 1)"),
+    "--clip-eps-high 1e308": (dict(clip_eps_high=1e308), "--clip-eps-high: must be a number in [0, 1e38)"),
     "--delta 1e308": (dict(delta=1e308), "--delta: must be at most 1e+30"),
     "--adv-clip 1e308": (dict(adv_clip=1e308), "--adv-clip: must be at most 1e+30"),
     "--reward-weight 1e308 1": (dict(reward_weight=(1e308, 1.0)), "--reward-weight: must be at most 1e+30"),
@@ -66,7 +66,8 @@ def test_a_flag_that_would_overflow_in_the_step_is_refused_by_name(case):
 
 def test_the_command_refuses_lr_1e30_in_one_line_before_the_model_loads(tmp_path):
     line = error_line(command("-m", "grpo_vlm", "--lr", "1e30", "--output-dir", tmp_path / "run"))
-    assert line == "error: --lr: must be in (0, 1] (e.g. 2e-5 on real models), got 1e+30"
+    why = "must be in [0, 1) (0: the no-update control; e.g. 2e-5 on real models)"
+    assert line == f"error: --lr: {why}, got 1e+30"
     assert not (tmp_path / "run").exists()
 
 
