@@ -165,9 +165,10 @@ function runSection() {
 
 // --- curves -----------------------------------------------------------------------------------------------
 function curvesSection() {
-  const { main, grid, grid_keys: keys, tables, rest } = data.charts;
+  const { main, grid, grid_keys: keys, tables, rest, pass_at_k: passAtK } = data.charts;
   if (!main) return section("curves", "Curves", note("No metrics logged yet."));
   const more = [];
+  if (passAtK) more.push(el("img", { src: passAtK, alt: "held-out pass@k per evaluation", class: "pass-at-k" }));
   if (grid) {
     more.push(el("details", {}, el("summary", {}, `the other ${keys.length} logged metrics: ${keys.join(", ")}`),
       el("img", { src: grid, alt: keys.join(", "), class: "main-chart" })));

@@ -93,6 +93,8 @@ MAX_PAIRS = 2_000  # held-out samples shown before / after
 MIN_CHART_POINTS = 10  # fewer values: a table says more than a chart
 THUMB_NAME = re.compile(r"thumbs/([A-Za-z0-9_.-]+\.jpe?g)")  # the contract's names; nothing outside thumbs/
 CHART_KEYS = ("reward/mean", "eval/accuracy", "kl")  # the panels of logs.curves_figure
+PASS_AT_K = re.compile(r"eval/pass@([1-9][0-9]{0,3})")  # --eval-num-samples n: eval/pass@1 .. eval/pass@n
+MAX_PASS_CURVES = 8  # evaluations drawn on the pass@k chart: the first, the last and evenly between
 # The trainer's metrics a person asks for first (metrics.jsonl's order of importance); then the others in
 # the order they first appear.
 PANEL_FIRST = (
@@ -601,7 +603,12 @@ class Metrics:
                     self.more_keys = True
                     continue
                 self.keys[key] = KeyValues()
-                if key in CHART_KEYS or key in PANEL_FIRST or len(self.drawn) < MAX_PANELS + len(CHART_KEYS):
+                if (
+                    key in CHART_KEYS
+                    or key in PANEL_FIRST
+                    or PASS_AT_K.fullmatch(key)
+                    or len(self.drawn) < MAX_PANELS + len(CHART_KEYS)
+                ):
                     self.drawn.add(key)
             self.keys[key].add(step, value)
             if key in self.drawn:
@@ -676,6 +683,33 @@ def metrics_grid(panels: dict[str, list[tuple[float, float]]], evals: list[float
     return png_uri(figure)
 
 
+def pass_at_k_chart(records: list[dict]) -> str | None:
+    """pass@k against k, one curve per evaluation (at most MAX_PASS_CURVES: first, last, evenly between),
+    later ones darker: did GRPO sharpen pass@1 (the curve's left end rises) or widen pass@n (its right)?"""
+    curves = []
+    for record in records:
+        pts = sorted((int(m[1]), v) for k, v in record.items() if (m := PASS_AT_K.fullmatch(k)))
+        if pts:
+            curves.append((record["step"], pts))
+    if not curves:
+        return None
+    if len(curves) > MAX_PASS_CURVES:
+        picked = {round(i * (len(curves) - 1) / (MAX_PASS_CURVES - 1)) for i in range(MAX_PASS_CURVES)}
+        curves = [curves[i] for i in sorted(picked)]
+    figure = Figure(figsize=(6.5, 3.2), dpi=80)
+    figure.subplots_adjust(left=0.1, right=0.97, bottom=0.15, top=0.88)
+    ax = figure.subplots()
+    for i, (step, pts) in enumerate(curves):
+        shade = 0.75 - 0.75 * i / max(1, len(curves) - 1)  # the first evaluation light grey, the last black
+        ax.plot(*zip(*pts), "o-", markersize=3, color=str(shade), label=f"step {step}")
+    ax.set_xlabel("k", fontsize=9)
+    ax.set_title("held-out pass@k (unbiased, from n samples a prompt)", loc="left", fontsize=10)
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(color="0.92")
+    return png_uri(figure)
+
+
 def charts(metrics: Metrics) -> dict:
     """The main figure (reward, accuracy, KL), small multiples of at most MAX_PANELS other metrics with at
     least MIN_CHART_POINTS values (PANEL_FIRST first), a table of the values of those with fewer, and the
@@ -687,7 +721,7 @@ def charts(metrics: Metrics) -> dict:
     panels, tables, rest = {}, {}, []
     for key in order:
         values = metrics.keys[key]
-        if key in CHART_KEYS:
+        if key in CHART_KEYS or PASS_AT_K.fullmatch(key):  # pass@k: its own chart, k on the x axis
             continue
         if values.count < MIN_CHART_POINTS:
             tables[cut(key, 200)] = values.first
@@ -701,6 +735,7 @@ def charts(metrics: Metrics) -> dict:
         "main": png_uri(logs.curves_figure(records)) if records else None,
         "grid": metrics_grid(panels, evals, skipped) if panels else None,
         "grid_keys": [cut(key, 200) for key in panels],
+        "pass_at_k": pass_at_k_chart(metrics.evals.items),
         "tables": tables,
         "rest": rest,
     }
