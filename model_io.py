@@ -143,20 +143,20 @@ def keep_lines_up_to(path: Path, step: int) -> None:
 
 
 def save_checkpoint(path: Path, model, optimizer, scheduler, *, step: int, settings: dict) -> None:
-    """LoRA, AdamW, the schedule, the generators (the device's on CUDA), the step and the settings, in a
-    temporary file renamed over `path`: a crash or a full disk leaves the last checkpoint whole, no tmp."""
+    """LoRA, AdamW, the schedule, the generators (CUDA's too), the step and the settings, written whole."""
     state = {"step": step, "settings": settings, "lora": lora.lora_state_dict(model)}
     state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
     state["rng"] = torch.get_rng_state()
     if model.device.type == "cuda":  # sampling on CUDA draws from the device's own generator
         state["cuda_rng"] = torch.cuda.get_rng_state(model.device)
     tmp = path.with_suffix(".tmp")
-    try:
+    try:  # a temporary file renamed over `path`: a crash leaves the last checkpoint whole
         torch.save(state, tmp)
         os.replace(tmp, path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise OSError(f"cannot write {path}: {e.strerror or e}") from e
+    finally:  # a full disk or a Ctrl-C mid-write leaves no tmp (after the rename there is none)
+        tmp.unlink(missing_ok=True)
 
 
 def restore_checkpoint(state: dict, model: torch.nn.Module, optimizer, scheduler) -> int:

@@ -3,7 +3,7 @@
     python scripts/seeds.py --out runs/seeds/reference --run \\
         "trained=python train.py" \\
         "random reward=python train.py --reward label examples/random_reward.py:coin --reward-weight 0 1" \\
-        "no update=python train.py --reward-weight 0 0 --beta 0" \\
+        "no update=python train.py --lr 0" \\
         --control "random reward" "no update" --figure docs/seeds_reference.png
     python scripts/seeds.py --out runs/seeds/package --run "trained=python -m grpo_vlm" \\
         "no update=python -m grpo_vlm --lr 0" --control "no update"

@@ -126,6 +126,24 @@ def test_a_full_disk_leaves_the_previous_checkpoint_whole_names_the_file_and_no_
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
+def test_a_ctrl_c_while_the_checkpoint_is_written_leaves_the_previous_one_whole_and_no_temporary_file(
+    tmp_path, monkeypatch
+):
+    model, optimizer, scheduler = small_training_state()
+    path = tmp_path / "checkpoint.pt"
+    model_io.save_checkpoint(path, model, optimizer, scheduler, step=1, settings={})
+    before = path.read_bytes()
+
+    def interrupted(state, target):  # half a file written when the SIGINT arrives
+        Path(target).write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model_io.save_checkpoint(path, model, optimizer, scheduler, step=2, settings={})
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
 @pytest.mark.parametrize("damage", ["missing", "cut", "not a checkpoint"])
 def test_a_missing_cut_or_foreign_checkpoint_is_one_error_naming_the_file(tmp_path, damage):
     model, optimizer, scheduler = small_training_state()
