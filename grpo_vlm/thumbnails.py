@@ -69,13 +69,20 @@ class Kept:
     by_file: dict[tuple[str, int, int], dict] = field(default_factory=dict)
     seen_bytes: int = 0  # of the -seen files handed on (on a resumed run's rank 0: those in the folder too)
     unseen: set[str] = field(default_factory=set)  # keys whose -seen file the budget left out
-    # `keep_aside`'s thread, made on first use; its thread ends once this is garbage
+    # `keep_aside`'s thread, made on first use, ended by close() when the run ends
     worker: ThreadPoolExecutor | None = field(default=None, repr=False, compare=False)
 
     def thread(self) -> ThreadPoolExecutor:
         if self.worker is None:
             self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="thumbnails")
         return self.worker
+
+    def close(self) -> None:
+        """End the thread (after the call it runs, if any; the ones not started are dropped): the run is over
+        and the process exits without a thread left waiting."""
+        if self.worker is not None:
+            self.worker.shutdown(wait=True, cancel_futures=True)
+            self.worker = None
 
 
 def image_key(image: Image.Image) -> str:

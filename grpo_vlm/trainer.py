@@ -1365,6 +1365,7 @@ def main(args: Args, typed: Collection[str] = (), argv: Sequence[str] | None = N
         with cli.user_errors():
             dtype = model_files.resolve_dtype(args.dtype, device)
             run = build_run(args, device, dtype, rank, world)  # data, rewards, model: every input checked
+        held.callback(run.kept.close)  # the thumbnails' thread ends with the run, however it ends
         if args.dry_run:
             return dry_run(run, args)
         start_step, beta, run_id = 0, args.loss.beta, uuid.uuid4().hex

@@ -65,3 +65,9 @@ def test_the_run_folder_holds_the_files_and_lines_made_on_the_main_thread(tmp_pa
     assert aside.keys() == made_inline.keys() and any(name.startswith("thumbs/") for name in aside)
     for name in aside:
         assert aside[name] == made_inline[name], name
+
+
+def test_the_thumbnails_thread_ends_with_the_run(tmp_path):
+    """No thread is left for the process's exit to wait for (cli.exit_process would name it on stdout)."""
+    trainer.main(train_args(output_dir=str(tmp_path / "run"), steps=2, eval_every=1, **FLAGS))
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("thumbnails")]
