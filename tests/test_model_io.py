@@ -108,39 +108,34 @@ def test_a_checkpoint_restores_lora_adamw_the_schedule_and_the_rng_state(tmp_pat
     assert torch.equal(torch.rand(3), drawn)
 
 
-def test_a_full_disk_leaves_the_previous_checkpoint_whole_names_the_file_and_no_temporary_file(
-    tmp_path, monkeypatch
+INTERRUPTED_WRITES = {  # what stops torch.save half-way -> what save_checkpoint raises
+    "a full disk": (
+        OSError(28, "No space left on device"),
+        OSError,
+        "cannot write {path}: No space left on device",
+    ),
+    "a Ctrl-C": (KeyboardInterrupt(), KeyboardInterrupt, ""),
+}
+
+
+@pytest.mark.parametrize("case", INTERRUPTED_WRITES)
+def test_a_write_stopped_half_way_leaves_the_previous_checkpoint_whole_and_no_temporary_file(
+    tmp_path, monkeypatch, case
 ):
+    cause, raised, message = INTERRUPTED_WRITES[case]
     model, optimizer, scheduler = small_training_state()
     path = tmp_path / "checkpoint.pt"
     model_io.save_checkpoint(path, model, optimizer, scheduler, step=1, settings={})
     before = path.read_bytes()
 
-    def disk_full(state, target):  # half a file written, then ENOSPC, as a full disk does
+    def stopped(state, target):  # half a file written, then the disk fills or the SIGINT arrives
         Path(target).write_bytes(b"half")
-        raise OSError(28, "No space left on device")
+        raise cause
 
-    monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(OSError, match=rf"^cannot write {re.escape(str(path))}: No space left on device$"):
+    monkeypatch.setattr(torch, "save", stopped)
+    with pytest.raises(raised) as error:
         model_io.save_checkpoint(path, model, optimizer, scheduler, step=2, settings={})
-    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
-
-
-def test_a_ctrl_c_while_the_checkpoint_is_written_leaves_the_previous_one_whole_and_no_temporary_file(
-    tmp_path, monkeypatch
-):
-    model, optimizer, scheduler = small_training_state()
-    path = tmp_path / "checkpoint.pt"
-    model_io.save_checkpoint(path, model, optimizer, scheduler, step=1, settings={})
-    before = path.read_bytes()
-
-    def interrupted(state, target):  # half a file written when the SIGINT arrives
-        Path(target).write_bytes(b"half")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        model_io.save_checkpoint(path, model, optimizer, scheduler, step=2, settings={})
+    assert str(error.value) == message.format(path=path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
