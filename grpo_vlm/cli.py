@@ -122,21 +122,28 @@ def check(condition: bool, flag: str, message: str) -> None:
         raise UsageError(f"{flag}: {message}")
 
 
-def check_utf8(args: Any) -> None:
-    """Raise UsageError('--flag: ...') for a flag whose text is not UTF-8: a byte such as 0xff in a path
-    reaches Python as a lone surrogate, which no UTF-8 file (run.json records every flag) can hold. `args`
-    is a dataclass of flags, its nested groups flat on the command line."""
+def flag_values(args: Any) -> Iterator[tuple[str, Any]]:
+    """('--flag', value) for every value of a dataclass of flags, its nested groups flat on the command line
+    and each item of a tuple flag on its own."""
     for field in dataclasses.fields(args):
         value = getattr(args, field.name)
         if dataclasses.is_dataclass(value):
-            check_utf8(value)
+            yield from flag_values(value)
             continue
-        for text in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(text, str) and (bad := re.search("[\udc80-\udcff]", text)):
-                raise UsageError(
-                    f"--{field.name.replace('_', '-')}: byte 0x{ord(bad[0]) - 0xDC00:02x} at character "
-                    f"{bad.start() + 1} is not UTF-8; rename the file or folder"
-                )
+        for item in value if isinstance(value, (tuple, list)) else [value]:
+            yield f"--{field.name.replace('_', '-')}", item
+
+
+def check_utf8(args: Any) -> None:
+    """Raise UsageError('--flag: ...') for a flag whose text is not UTF-8: a byte such as 0xff in a path
+    reaches Python as a lone surrogate, which no UTF-8 file (run.json records every flag) can hold. `args`
+    is a dataclass of flags (`flag_values`)."""
+    for flag, text in flag_values(args):
+        if isinstance(text, str) and (bad := re.search("[\udc80-\udcff]", text)):
+            raise UsageError(
+                f"{flag}: byte 0x{ord(bad[0]) - 0xDC00:02x} at character {bad.start() + 1} is not UTF-8; "
+                "rename the file or folder"
+            )
 
 
 # The largest a flag that enters the step's float32 arithmetic may be (a clip bound, an advantage clip, a
@@ -147,18 +154,12 @@ FLOAT32_FLAG_MAX = 1e30
 def check_finite(args: Any) -> None:
     """Raise UsageError('--flag: ...') for a float flag that is NaN or infinite: JSON, which run.json records
     every flag in, has neither, and no setting of this project means either (a large number means "no
-    limit"). `args` is a dataclass of flags, its nested groups flat on the command line."""
-    for field in dataclasses.fields(args):
-        value = getattr(args, field.name)
-        if dataclasses.is_dataclass(value):
-            check_finite(value)
-            continue
-        for number in value if isinstance(value, (tuple, list)) else [value]:
-            if isinstance(number, float) and not math.isfinite(number):
-                flag = f"--{field.name.replace('_', '-')}"
-                raise UsageError(
-                    f"{flag}: must be a finite number (no limit: a large one, e.g. 1e9), got {number}"
-                )
+    limit"). `args` is a dataclass of flags (`flag_values`)."""
+    for flag, number in flag_values(args):
+        if isinstance(number, float) and not math.isfinite(number):
+            raise UsageError(
+                f"{flag}: must be a finite number (no limit: a large one, e.g. 1e9), got {number}"
+            )
 
 
 @contextmanager
